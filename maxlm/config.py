@@ -1,0 +1,313 @@
+"""Typed, closed configuration: frozen dataclasses bound by gin.
+
+A gin file binds fields of the dataclasses below (``ModelConfig.d_model = 512``).
+``load(path, bindings)`` parses it, builds one ``Config`` and validates it before anything is
+compiled. Every mistake a user can make in a config surfaces as a ``ConfigError`` whose message is
+one line naming the file, the field and the values at fault; the CLIs print that line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import gin
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; str(err) is the one line to print."""
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The transformer. One code path covers the Llama and GPT-2/3 families."""
+
+    vocab_size: int = 259
+    vocab_multiple: int = 128  # embedding rows are padded to a multiple of this (Megatron-style)
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 0  # 0 means n_heads (multi-head attention); fewer gives grouped-query attention
+    head_dim: int = 0  # 0 means d_model // n_heads
+    d_ff: int = 1024
+    max_seq_len: int = 2048
+    norm: str = "rms"  # rms | layer
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu (GPT's tanh approximation)
+    position: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0
+    # Llama-3 long-context frequency scaling; factor 0 turns it off.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    use_bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "bfloat16"  # compute dtype: float32 | bfloat16 | float16
+    param_dtype: str = "float32"
+    remat: str = "none"  # none | full | save_dots | save_named
+    attention_impl: str = "xla"  # xla | cudnn | pallas
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of the four mesh axes; one degree may be -1 to take the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        degrees = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "pipeline": self.pipeline}
+        free = [k for k, v in degrees.items() if v == -1]
+        if len(free) > 1:
+            raise ConfigError(f"MeshConfig: only one axis may be -1, got {degrees}")
+        bad = {k: v for k, v in degrees.items() if v == 0 or v < -1}
+        if bad:
+            raise ConfigError(f"MeshConfig: degrees must be positive (or one -1), got {bad}")
+        fixed = math.prod(v for v in degrees.values() if v != -1)
+        if free:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"MeshConfig: {degrees} cannot fill {num_devices} devices "
+                    f"({num_devices} is not divisible by {fixed})")
+            degrees[free[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ConfigError(
+                f"MeshConfig: data*fsdp*tensor*pipeline = {'*'.join(str(v) for v in degrees.values())} "
+                f"= {fixed}, but {num_devices} devices are present")
+        return degrees
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # adamw | adafactor | lion
+    learning_rate: float = 3e-4
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    schedule: str = "cosine"  # cosine | linear | constant | wsd
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: fraction of the steps spent decaying
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+    microbatches: int = 1  # gradient accumulation inside the jitted step
+    loss_scale: float = 2.0**15  # initial dynamic loss scale (used only when dtype is float16)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # stdlib | a glob of text files (e.g. "~/corpus/**/*.txt")
+    tokenizer: str = "byte"
+    seed: int = 0
+    eval_fraction: float = 0.02  # documents held out for evaluation (chosen by a hash of their path)
+    worker_count: int = 0  # Grain worker processes; 0 reads in the training process
+    prefetch: int = 2
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int = 100
+    max_to_keep: int = 3
+    async_save: bool = True
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    global_batch: int = 8  # sequences per optimizer step, over all devices and microbatches
+    seq_len: int = 256
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    z_loss: float = 0.0  # weight of log(Z)^2, PaLM's auxiliary loss
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 measures a matmul at start-up
+    sample_tokens: int = 200  # length of the text sample printed at the end; 0 skips it
+    run_dir: str = "runs/default"
+    init_params: str = ""  # start from these parameters (e.g. from `maxlm.hf import`) instead of random
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    mesh: MeshConfig
+    optim: OptimConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    train: TrainConfig
+    source: str = "<bindings>"  # the gin file it came from, for error messages
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name))
+                for f in dataclasses.fields(self) if f.name != "source"}
+
+    def replace(self, **sections: Any) -> "Config":
+        """Return a copy with fields of sections replaced: cfg.replace(train={'steps': 5})."""
+        changes = {k: dataclasses.replace(getattr(self, k), **v) for k, v in sections.items()}
+        return dataclasses.replace(self, **changes)
+
+
+SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "train": TrainConfig}
+
+
+def resolve_path(name: str) -> Path:
+    """A path as given, else a bare name looked up in configs/ (with or without .gin)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.gin")))
+    raise ConfigError(f"config file '{name}' not found (looked in . and {CONFIG_DIR}; known: {known})")
+
+
+def _one_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    # gin appends "In file ..., line N" context; keep it, drop the repeated source excerpt.
+    return re.sub(r"\s*\^\s*$", "", text)
+
+
+def load(config: str | None = None, bindings: list[str] | tuple[str, ...] = (),
+         num_devices: int | None = None) -> Config:
+    """Parse a gin file plus override bindings into a validated Config."""
+    path = resolve_path(config) if config else None
+    source = path.name if path else "<bindings>"
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings([str(path)] if path else [], list(bindings),
+                                            finalize_config=False)
+        sections = {name: cls() for name, cls in SECTIONS.items()}
+    except (ValueError, TypeError, SyntaxError, KeyError) as err:  # gin's parse and binding errors
+        raise ConfigError(f"{source}: {_one_line(err)}") from None
+    cfg = Config(**sections, source=source)
+    validate(cfg, num_devices)
+    return cfg
+
+
+def build(num_devices: int | None = None, **sections: dict[str, Any]) -> Config:
+    """A validated Config from plain keyword dicts, for tests and notebooks (no gin involved)."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"unknown config sections {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        try:
+            parts[name] = cls(**sections.get(name, {}))
+        except TypeError as err:
+            raise ConfigError(f"{cls.__name__}: {err}") from None
+    cfg = Config(**parts)
+    validate(cfg, num_devices)
+    return cfg
+
+
+def operative_gin(cfg: Config) -> str:
+    """The config as a gin file that reproduces it exactly."""
+    lines = [f"# operative config (from {cfg.source})"]
+    for name, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            lines.append(f"{cls.__name__}.{field.name} = {getattr(getattr(cfg, name), field.name)!r}")
+    return "\n".join(lines) + "\n"
+
+
+def _choice(src: str, field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{src}: {field} = {value!r} is not one of {', '.join(allowed)}")
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Reject inconsistent settings before anything compiles; each failure is one line."""
+    src, m, t, o = cfg.source, cfg.model, cfg.train, cfg.optim
+    _choice(src, "ModelConfig.norm", m.norm, ("rms", "layer"))
+    _choice(src, "ModelConfig.activation", m.activation, ("swiglu", "gelu"))
+    _choice(src, "ModelConfig.position", m.position, ("rope", "learned"))
+    _choice(src, "ModelConfig.remat", m.remat, ("none", "full", "save_dots", "save_named"))
+    _choice(src, "ModelConfig.attention_impl", m.attention_impl, ("xla", "cudnn", "pallas"))
+    for field in ("dtype", "param_dtype"):
+        _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
+    _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
+    _choice(src, "OptimConfig.schedule", o.schedule, ("cosine", "linear", "constant", "wsd"))
+    positive = {"ModelConfig.d_model": m.d_model, "ModelConfig.n_layers": m.n_layers,
+                "ModelConfig.n_heads": m.n_heads, "ModelConfig.d_ff": m.d_ff,
+                "ModelConfig.vocab_size": m.vocab_size, "ModelConfig.vocab_multiple": m.vocab_multiple,
+                "TrainConfig.steps": t.steps, "TrainConfig.global_batch": t.global_batch,
+                "TrainConfig.seq_len": t.seq_len, "OptimConfig.microbatches": o.microbatches,
+                "OptimConfig.learning_rate": o.learning_rate}
+    for field, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{src}: {field} must be positive, got {value}")
+    if m.head_dim == 0 and m.d_model % m.n_heads:
+        raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
+                          f"ModelConfig.n_heads = {m.n_heads} (set ModelConfig.head_dim explicitly)")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"{src}: ModelConfig.n_heads = {m.n_heads} is not divisible by "
+                          f"ModelConfig.n_kv_heads = {m.kv_heads}")
+    if m.position == "rope" and m.dim_per_head % 2:
+        raise ConfigError(f"{src}: rope needs an even head dimension, got {m.dim_per_head}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"{src}: TrainConfig.seq_len = {t.seq_len} exceeds "
+                          f"ModelConfig.max_seq_len = {m.max_seq_len}")
+    if o.warmup_steps < 0 or o.warmup_steps > t.steps:
+        raise ConfigError(f"{src}: OptimConfig.warmup_steps = {o.warmup_steps} must lie in "
+                          f"[0, TrainConfig.steps = {t.steps}]")
+    if m.attention_impl == "pallas":
+        raise ConfigError(f"{src}: ModelConfig.attention_impl = 'pallas' is not available yet "
+                          "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")
+    if num_devices is None:
+        return
+    try:
+        degrees = cfg.mesh.shape(num_devices)
+    except ConfigError as err:
+        raise ConfigError(f"{src}: {err}") from None
+    if degrees["pipeline"] > 1:
+        raise ConfigError(f"{src}: MeshConfig.pipeline = {degrees['pipeline']} is not supported yet "
+                          "(pipeline parallelism arrives with the scale-out issue); fold it into fsdp")
+    tp = degrees["tensor"]
+    checks = [("ModelConfig.n_heads", m.n_heads), ("ModelConfig.n_kv_heads", m.kv_heads),
+              ("ModelConfig.d_ff", m.d_ff), ("ModelConfig.padded_vocab", m.padded_vocab)]
+    for field, value in checks:
+        if value % tp:
+            raise ConfigError(f"{src}: {field} = {value} is not divisible by MeshConfig.tensor = {tp}")
+    if m.d_model % degrees["fsdp"]:
+        raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
+                          f"MeshConfig.fsdp = {degrees['fsdp']}")
+    batch_shards = degrees["data"] * degrees["fsdp"]
+    if t.global_batch % (batch_shards * o.microbatches):
+        raise ConfigError(
+            f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible by "
+            f"data*fsdp*microbatches = {degrees['data']}*{degrees['fsdp']}*{o.microbatches} "
+            f"= {batch_shards * o.microbatches}")
+    import jax  # late import: the config module stays importable without initialising devices
+
+    if t.global_batch % jax.process_count():
+        raise ConfigError(f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible "
+                          f"by the process count {jax.process_count()}")
