@@ -1,0 +1,118 @@
+"""FLOP accounting, MFU, and the run's records: metrics.jsonl, TensorBoard events, loss.png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.config import ModelConfig
+from maxlm.model import param_count
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but the lookup tables.
+
+    A tied embedding table is also the output projection, so it stays in."""
+    lookups = 0 if cfg.tie_embeddings else cfg.padded_vocab * cfg.d_model
+    if cfg.position == "learned":
+        lookups += cfg.max_seq_len * cfg.d_model
+    return param_count(cfg) - lookups
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
+
+    6N counts the forward (2N) and backward (4N) matmuls; the second term is attention's
+    score and context matmuls (L layers, H heads, Q head dim, T sequence length), not halved
+    for causality, as in PaLM. Rematerialisation is not counted (this is model FLOPs, for MFU)."""
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_per_head * seq_len
+
+
+def measure_peak_flops(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:
+    """A quick matmul peak of one device in the given dtype: the best of a few timed runs."""
+    a = jnp.ones((size, size), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class RunRecorder:
+    """Writes metrics to RUN_DIR/metrics.jsonl and TensorBoard, and draws RUN_DIR/loss.png.
+
+    Only process 0 writes; appending keeps the history of resumed runs in one file."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled and jax.process_index() == 0
+        self.writer = None
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+
+    def record_run(self, info: dict[str, Any]) -> None:
+        if self.enabled:
+            info = {"git_revision": git_revision(), "argv": sys.argv, "started": time.time(), **info}
+            (self.run_dir / "run.json").write_text(json.dumps(info, indent=2, default=str))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def plot(self) -> Path | None:
+        """loss.png: train and eval loss against step, from everything in metrics.jsonl."""
+        if not self.enabled:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, style in (("loss", "-"), ("eval_loss", "o-")):
+            points = sorted((r["step"], r[key]) for r in rows if key in r)
+            if points:
+                ax.plot(*zip(*points), style, label=key.replace("_", " "))
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(self.run_dir.name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = self.run_dir / "loss.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()
