@@ -209,6 +209,8 @@ def load(config: str | None = None, bindings: list[str] | tuple[str, ...] = (),
         sections = {name: cls() for name, cls in SECTIONS.items()}
     except (ValueError, TypeError, SyntaxError, KeyError) as err:  # gin's parse and binding errors
         raise ConfigError(f"{source}: {_one_line(err)}") from None
+    finally:
+        gin.clear_config()  # bindings are global in gin: never let them leak into a later Config
     cfg = Config(**sections, source=source)
     validate(cfg, num_devices)
     return cfg
@@ -297,6 +299,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")
     if num_devices is None:
         return
+    import jax  # late import: the config module stays importable without initialising devices
+
+    if m.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"{src}: ModelConfig.attention_impl = 'cudnn' needs NVIDIA GPUs, but this "
+                          f"run's devices are {jax.default_backend()}; use 'xla'")
     try:
         degrees = cfg.mesh.shape(num_devices)
     except ConfigError as err:
@@ -319,8 +326,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible by "
             f"data*fsdp*microbatches = {degrees['data']}*{degrees['fsdp']}*{o.microbatches} "
             f"= {batch_shards * o.microbatches}")
-    import jax  # late import: the config module stays importable without initialising devices
-
     if t.global_batch % jax.process_count():
         raise ConfigError(f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible "
                           f"by the process count {jax.process_count()}")

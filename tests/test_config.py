@@ -61,6 +61,7 @@ BAD = [
     (["ModelConfig.n_kv_heads = 3"], 8, "ModelConfig.n_heads = 4 is not divisible by ModelConfig.n_kv_heads = 3"),
     (["MeshConfig.data = 4", "MeshConfig.pipeline = 2"], 8, "MeshConfig.pipeline = 2 is not supported yet"),
     (["ModelConfig.attention_impl = 'pallas'"], 8, "'pallas' is not available yet"),
+    (["ModelConfig.attention_impl = 'cudnn'"], 8, "'cudnn' needs NVIDIA GPUs, but this run's devices are cpu"),
     (["ModelConfig.norm = 'batch'"], 8, "ModelConfig.norm = 'batch' is not one of rms, layer"),
     (["TrainConfig.seq_len = 512"], 8, "TrainConfig.seq_len = 512 exceeds ModelConfig.max_seq_len = 256"),
     (["MeshConfig.data = -1", "MeshConfig.fsdp = -1"], 8, "only one axis may be -1"),
