@@ -90,13 +90,11 @@ class RunRecorder:
         """loss.png: train and eval loss against step, from everything in metrics.jsonl."""
         if not self.enabled:
             return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         for key, style in (("loss", "-"), ("eval_loss", "o-")):
             points = sorted((r["step"], r[key]) for r in rows if key in r)
             if points:
@@ -109,7 +107,6 @@ class RunRecorder:
         path = self.run_dir / "loss.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def close(self) -> None:
