@@ -1,10 +1,17 @@
-"""Checkpoints on Orbax: the train state, the data-iterator state and the config, saved async.
+"""Checkpoints on Orbax: train state, data-iterator state and config, saved async and verified.
 
 Layout of a run directory::
 
-    RUN_DIR/checkpoints/<step>/state/    TrainState arrays (OCDBT/tensorstore; restored with any sharding)
-    RUN_DIR/checkpoints/<step>/data/     data-iterator state (JSON)
-    RUN_DIR/checkpoints/<step>/config/   the operative config (JSON)
+    RUN_DIR/checkpoints/<step>/state/        TrainState arrays (OCDBT/tensorstore; restores onto any mesh)
+    RUN_DIR/checkpoints/<step>/data/         data-iterator state (JSON)
+    RUN_DIR/checkpoints/<step>/config/       the operative config (JSON)
+    RUN_DIR/checkpoints/<step>/manifest.json step, tokens seen, config hash, sha256 of every file
+    RUN_DIR/checkpoints_rejected/<step>-<reason>/   checkpoints that failed verification, kept aside
+
+Orbax writes each step into a temporary folder and renames it when complete, so a crash mid-save
+never touches the previous checkpoint. The manifest is written last, after Orbax has committed the
+step and its files were hashed: a step without a manifest is an interrupted save, and a file whose
+hash differs is corrupt. Both are moved aside (never deleted) and the previous good step is used.
 
 Parameters alone (``save_params``/``restore_params``) use the same array format under one folder;
 ``maxlm.hf import`` writes them and ``TrainConfig.init_params`` reads them.
@@ -12,13 +19,25 @@ Parameters alone (``save_params``/``restore_params``) use the same array format 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
 from maxlm.config import CheckpointConfig
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked (the message is one line for the user)."""
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -26,39 +45,186 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _key_name(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _hash_files(step_dir: Path) -> dict[str, str]:
+    hashes = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        hashes[str(path.relative_to(step_dir))] = digest.hexdigest()
+    return hashes
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class Checkpointer:
-    """Saves and restores (state, data-iterator state, config) by step in RUN_DIR/checkpoints."""
+    """Saves (async) and restores (state, data-iterator state, config) by step in RUN_DIR/checkpoints."""
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig):
-        self.directory = Path(run_dir).expanduser().resolve() / "checkpoints"  # Orbax wants absolute
-        self.cfg = cfg
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, log: Callable[[str], None] = print):
+        run_dir = Path(run_dir).expanduser().resolve()  # Orbax wants absolute paths
+        self.directory = run_dir / "checkpoints"
+        self.rejected_dir = run_dir / "checkpoints_rejected"
+        self.cfg, self.log = cfg, log
+        self.is_writer = jax.process_index() == 0
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data", "config"))
+            max_to_keep=cfg.max_to_keep, keep_period=cfg.keep_every_steps or None,
+            enable_async_checkpointing=cfg.async_save, create=True)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "config": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._finisher: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_save_time = time.monotonic()
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+    # ---- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, data_state: dict | None, config: dict, force: bool = False) -> bool:
-        """Start a save (async: returns once the arrays are copied off the devices)."""
+    def due(self, step: int) -> bool:
+        """Whether ``step`` should be saved: every N steps and/or every M minutes."""
+        by_steps = self.cfg.every_steps and step % self.cfg.every_steps == 0
+        by_time = self.cfg.every_minutes and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes
+        return bool(by_steps or by_time)
+
+    def save(self, step: int, state: Any, data_state: dict | None, config: dict, info: dict) -> None:
+        """Start a save. Returns once the arrays are copied off the devices; Orbax writes them in
+        the background and a finisher thread then hashes the files and writes the manifest."""
+        self._join_finisher()
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state or {}),
                                   config=ocp.args.JsonSave(config))
-        return self.manager.save(step, args=args, force=force)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except OSError as err:
+            raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {err}; "
+                                  "the previous checkpoints are intact") from None
+        self._last_save_time = time.monotonic()
+        manifest = {"step": step, "config_hash": config_hash(config), "saved_at": time.time(), **info}
+        self._finisher = threading.Thread(target=self._finish, args=(step, manifest), daemon=True)
+        self._finisher.start()
 
-    def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, dict]:
-        """(state placed with ``shardings``, data-iterator state) of checkpoint ``step``."""
+    def _finish(self, step: int, manifest: dict) -> None:
+        try:
+            self.manager.wait_until_finished()
+            if os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S"):  # fault-injection hook for tests
+                time.sleep(float(os.environ["MAXLM_TEST_MANIFEST_DELAY_S"]))
+            if self.is_writer:
+                step_dir = self.directory / str(step)
+                manifest["files"] = _hash_files(step_dir) if self.cfg.verify_hashes else {}
+                tmp = step_dir / (MANIFEST + ".tmp")
+                tmp.write_text(json.dumps(manifest, indent=1))
+                tmp.rename(step_dir / MANIFEST)
+        except BaseException as err:  # surfaced on the main thread by wait() or the next save()
+            self._error = err
+
+    def _join_finisher(self) -> None:
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint under {self.directory} failed: "
+                                  f"{type(err).__name__}: {err}; the previous checkpoints are intact") from None
+
+    def wait(self) -> None:
+        """Block until the last save is complete and verified on disk."""
+        self._join_finisher()
+
+    def close(self) -> None:
+        try:
+            self._join_finisher()
+        finally:
+            self.manager.close()
+
+    # ---- restoring ----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def problem(self, step: int) -> str | None:
+        """Why ``step`` cannot be trusted, or None when its manifest and hashes check out."""
+        step_dir = self.directory / str(step)
+        manifest_path = step_dir / MANIFEST
+        if not manifest_path.exists():
+            return "incomplete (no manifest: the save was interrupted)"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as err:
+            return f"unreadable manifest ({err})"
+        expected = manifest.get("files", {})
+        if not expected:
+            return None
+        actual = _hash_files(step_dir)
+        for name, digest in expected.items():
+            if name not in actual:
+                return f"missing file {name}"
+            if actual[name] != digest:
+                return f"file {name} fails its sha256"
+        return None
+
+    def reject(self, step: int, reason: str) -> None:
+        """Move a bad checkpoint aside (never delete it) and say so."""
+        self.log(f"checkpoint {self.directory / str(step)} is unusable: {reason}; "
+                 f"moving it to {self.rejected_dir} and trying the previous one")
+        if self.is_writer:
+            self.rejected_dir.mkdir(parents=True, exist_ok=True)
+            slug = reason.split(" ")[0].strip("(:")
+            shutil.move(str(self.directory / str(step)), str(self.rejected_dir / f"{step}-{slug}-{int(time.time())}"))
+        self.manager.reload()
+
+    def check_matches(self, step: int, abstract_state: Any) -> None:
+        """Fail with one line naming every parameter whose shape differs from the model's."""
+        saved = _shapes(self.manager.item_metadata(step).state)
+        wanted = _shapes(abstract_state)
+        diffs = [f"{k}: checkpoint {saved.get(k, 'missing')} vs model {v}"
+                 for k, v in wanted.items() if saved.get(k) != v]
+        diffs += [f"{k}: in the checkpoint but not in the model" for k in saved if k not in wanted]
+        if diffs:
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} does not match the model "
+                                  f"({len(diffs)} arrays differ): " + "; ".join(diffs[:6])
+                                  + ("; ..." if len(diffs) > 6 else ""))
+
+    def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, dict, dict]:
+        """(state placed with ``shardings``, data-iterator state, manifest) of checkpoint ``step``."""
+        self.check_matches(step, abstract_state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(abstract_state, shardings)),
                                   data=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
-        return restored.state, restored.data
+        manifest_path = self.directory / str(step) / MANIFEST
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+        return restored.state, restored.data, manifest
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def restore_latest_good(self, abstract_state: Any, shardings: Any, before: int | None = None):
+        """Restore the newest verified checkpoint (at or below ``before``), rejecting bad ones.
 
-    def close(self) -> None:
-        self.manager.close()
+        Returns (step, state, data_state, manifest), or None when there is no usable checkpoint."""
+        for step in reversed(self.steps()):
+            if before is not None and step > before:
+                continue
+            reason = self.problem(step)
+            if reason is None:
+                try:
+                    return (step, *self.restore(step, abstract_state, shardings))
+                except CheckpointError:
+                    raise  # a model mismatch is the user's config, not a damaged checkpoint
+                except Exception as err:  # noqa: BLE001 - any failure to read means damaged
+                    reason = f"restore failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            self.reject(step, reason)
+        return None
 
 
 def save_params(path: str | Path, params: Any) -> None:

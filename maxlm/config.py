@@ -121,21 +121,32 @@ class OptimConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # stdlib | a glob of text files (e.g. "~/corpus/**/*.txt")
-    tokenizer: str = "byte"
-    seed: int = 0
-    eval_fraction: float = 0.02  # documents held out for evaluation (chosen by a hash of their path)
+    """The input pipeline (maxlm/data/README.md shows the whole flow from raw files to training)."""
+
+    # One source, or several separated by ';' for a mixture. Each is "stdlib", "files:GLOB",
+    # "jsonl:GLOB[:FIELD]", "parquet:GLOB[:COLUMN]" or "packed:DIR" (from `python -m maxlm.data
+    # prepare`); a bare glob is read by its extension. See maxlm/data/spec.py.
+    source: str = "stdlib"
+    weights: str = ""  # mixture weights, one per source in order, e.g. "0.6, 0.2, 0.1, 0.1"; "" = equal
+    tokenizer: str = "byte"  # "byte", or the path of a tokenizer.json from `maxlm.data train-tokenizer`
+    seed: int = 0  # global shuffle of documents (raw sources) or packed rows
+    eval_fraction: float = 0.02  # raw sources: documents held out for evaluation (by a hash of their id)
     worker_count: int = 0  # Grain worker processes; 0 reads in the training process
-    prefetch: int = 2
+    prefetch: int = 2  # batches prepared ahead (per worker, or by one thread when worker_count = 0)
+    max_doc_bytes: int = 33554432  # raw sources: longer documents are skipped and counted (32 MiB)
+    read_threads: int = 8  # threads that read and tokenise raw documents (per worker)
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     enabled: bool = True
-    every_steps: int = 100
+    every_steps: int = 100  # 0: by time only
+    every_minutes: float = 0.0  # also save when this long has passed since the last save; 0: off
     max_to_keep: int = 3
-    async_save: bool = True
+    keep_every_steps: int = 0  # additionally keep every checkpoint whose step divides by this; 0: off
+    async_save: bool = True  # write in the background while training continues
+    verify_hashes: bool = True  # sha256 every written file into the manifest, check it on restore
 
 
 @gin.configurable
@@ -153,6 +164,13 @@ class TrainConfig:
     sample_tokens: int = 200  # length of the text sample printed at the end; 0 skips it
     run_dir: str = "runs/default"
     init_params: str = ""  # start from these parameters (e.g. from `maxlm.hf import`) instead of random
+    # Bad steps: a non-finite loss or gradient is always skipped. A spike above the rolling mean by
+    # more than spike_sigmas standard deviations (of loss or grad norm) is skipped too; 0 turns it off.
+    spike_sigmas: float = 0.0
+    spike_window: int = 100  # steps in the rolling mean and variance
+    spike_warmup: int = 50  # steps before spikes are judged
+    rollback_after: int = 0  # after this many consecutive bad steps, restore the last checkpoint; 0: off
+    rollback_lr_factor: float = 0.5  # and scale the learning rate by this from then on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +312,17 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           f"ModelConfig.max_seq_len = {m.max_seq_len}")
     if o.warmup_steps < 0:
         raise ConfigError(f"{src}: OptimConfig.warmup_steps must be >= 0, got {o.warmup_steps}")
+    ck = cfg.checkpoint
+    if ck.every_steps < 0 or ck.every_minutes < 0 or ck.max_to_keep < 1 or ck.keep_every_steps < 0:
+        raise ConfigError(f"{src}: CheckpointConfig needs every_steps >= 0, every_minutes >= 0, "
+                          f"max_to_keep >= 1, keep_every_steps >= 0; got {ck.every_steps}, "
+                          f"{ck.every_minutes}, {ck.max_to_keep}, {ck.keep_every_steps}")
+    if t.rollback_after and not ck.enabled:
+        raise ConfigError(f"{src}: TrainConfig.rollback_after = {t.rollback_after} needs checkpoints, "
+                          "but CheckpointConfig.enabled = False")
+    if not 0 < t.rollback_lr_factor <= 1 or t.spike_sigmas < 0 or t.spike_window < 2:
+        raise ConfigError(f"{src}: need 0 < TrainConfig.rollback_lr_factor <= 1, spike_sigmas >= 0, "
+                          f"spike_window >= 2; got {t.rollback_lr_factor}, {t.spike_sigmas}, {t.spike_window}")
     if m.attention_impl == "pallas":
         raise ConfigError(f"{src}: ModelConfig.attention_impl = 'pallas' is not available yet "
                           "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")

@@ -86,6 +86,12 @@ class RunRecorder:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def event(self, step: int, kind: str, **info: Any) -> None:
+        """A notable event (skipped step, rollback, resume, preemption) in metrics.jsonl."""
+        if self.enabled:
+            self.jsonl.write(json.dumps({"step": step, "event": kind, **info}) + "\n")
+            self.jsonl.flush()
+
     def plot(self) -> Path | None:
         """loss.png: train and eval loss against step, from everything in metrics.jsonl."""
         if not self.enabled:
@@ -93,6 +99,7 @@ class RunRecorder:
         from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        rows = [r for r in rows if "event" not in r]
         fig = Figure(figsize=(7, 4))
         ax = fig.subplots()
         for key, style in (("loss", "-"), ("eval_loss", "o-")):

@@ -32,7 +32,10 @@ class TrainState:
     rng: jax.Array
     loss_scale: jax.Array  # dynamic loss scale (1.0 unless the compute dtype is float16)
     good_steps: jax.Array  # consecutive finite steps, for growing the loss scale
-    skipped: jax.Array  # updates skipped because the loss or gradient was not finite
+    skipped: jax.Array  # updates skipped: non-finite loss or gradient, or a spike
+    bad_streak: jax.Array  # consecutive skipped steps (the loop rolls back when it grows too long)
+    lr_scale: jax.Array  # multiplies every update; a rollback lowers it
+    stats: jax.Array  # rolling [mean, variance] of the loss and of the grad norm, shape [2, 2]
 
 
 def _init_params(cfg: Config, rng: jax.Array) -> Any:
@@ -72,7 +75,8 @@ def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransforma
     return TrainState(
         step=replicated, params=sharding.mesh_shardings(names, mesh),
         opt_state=sharding.mesh_shardings(_opt_state_names(opt_state, params, names), mesh),
-        rng=replicated, loss_scale=replicated, good_steps=replicated, skipped=replicated)
+        rng=replicated, loss_scale=replicated, good_steps=replicated, skipped=replicated,
+        bad_streak=replicated, lr_scale=replicated, stats=replicated)
 
 
 def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: TrainState,
@@ -88,7 +92,9 @@ def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: 
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=rng,
                           loss_scale=jnp.asarray(cfg.optim.loss_scale if fp16 else 1.0, jnp.float32),
-                          good_steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+                          good_steps=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
+                          bad_streak=jnp.zeros((), jnp.int32), lr_scale=jnp.ones((), jnp.float32),
+                          stats=jnp.zeros((2, 2), jnp.float32))
     jitted = jax.jit(init, in_shardings=(None, shardings.params if params is not None else None),
                      out_shardings=shardings)
     return jitted(jax.random.PRNGKey(cfg.train.seed), params)
@@ -99,6 +105,25 @@ def loss_and_weight(cfg: Config, params: Any, batch: dict[str, jax.Array]):
                                           batch["segment_ids"], batch["positions"])
     return cross_entropy(logits, batch["targets"], batch["weights"], cfg.model.vocab_size,
                          cfg.train.z_loss)
+
+
+def rolling_stats(cfg: Config, observed: jax.Array, stats: jax.Array, applied: jax.Array) -> jax.Array:
+    """Exponential moving [mean, variance] of each observed value over ~spike_window steps."""
+    beta = 1.0 - 1.0 / cfg.train.spike_window
+    mean, var = stats[:, 0], stats[:, 1]
+    delta = observed - mean
+    new = jnp.stack([mean + (1 - beta) * delta, beta * (var + (1 - beta) * delta**2)], axis=1)
+    first = jnp.stack([observed, jnp.zeros_like(observed)], axis=1)
+    return jnp.where(applied == 0, first, new)
+
+
+def spike_detected(cfg: Config, observed: jax.Array, stats: jax.Array, applied: jax.Array) -> jax.Array:
+    """Loss or grad norm above its rolling mean by more than spike_sigmas standard deviations."""
+    k = cfg.train.spike_sigmas
+    if not k:
+        return jnp.zeros((), bool)
+    above = observed > stats[:, 0] + k * jnp.sqrt(stats[:, 1])
+    return (applied >= cfg.train.spike_warmup) & jnp.any(above)
 
 
 def make_train_step(cfg: Config, optimizer: optax.GradientTransformation) -> Callable:
@@ -129,24 +154,31 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation) -> Cal
             (grads, loss_sum), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = loss_sum / total_weight
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        applied = state.step - state.skipped
+        observed = jnp.stack([loss, grad_norm])
+        spike = spike_detected(cfg, observed, state.stats, applied)
+        ok = finite & ~spike
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(state.params, updates)
-        # A non-finite step is skipped, never applied: params and optimizer state stay as they were.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        # A bad step is skipped, never applied: params and optimizer state stay as they were.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         new_scale, good = state.loss_scale, state.good_steps
         if cfg.model.dtype == "float16":
             new_scale, good = optim.update_loss_scale(state.loss_scale, state.good_steps, finite)
-        applied = state.step - state.skipped
+        bad = (~ok).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1, params=keep(params, state.params),
             opt_state=keep(opt_state, state.opt_state), rng=jax.random.fold_in(state.rng, state.step),
-            loss_scale=new_scale, good_steps=good, skipped=state.skipped + (~finite).astype(jnp.int32))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(applied),
-                   "skipped": (~finite).astype(jnp.int32), "loss_scale": state.loss_scale,
-                   "tokens": total_weight}
+            loss_scale=new_scale, good_steps=good, skipped=state.skipped + bad,
+            bad_streak=(state.bad_streak + 1) * bad,
+            stats=jnp.where(ok, rolling_stats(cfg, observed, state.stats, applied), state.stats))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(applied) * state.lr_scale,
+                   "skipped": bad, "spike": spike.astype(jnp.int32), "bad_streak": new_state.bad_streak,
+                   "loss_scale": state.loss_scale, "tokens": total_weight}
         return new_state, metrics
 
     return train_step

@@ -1,7 +1,7 @@
 """``python -m maxlm.train --config=tiny.gin``: build, restore, loop, save.
 
 The loop is read top to bottom in ``train``. Everything inside jit lives in ``maxlm.step``; this
-file holds the side effects: data, checkpoints, metrics, progress and the closing sample.
+file holds the side effects: data, checkpoints, preemption, metrics, progress and the closing sample.
 """
 
 from __future__ import annotations
@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
-from maxlm import checkpoint, config, data, generate, metrics, optim, sharding, step
+from maxlm import checkpoint, config, data, generate, metrics, optim, resilience, sharding, step
 
 EPILOG = """examples:
   python -m maxlm.train --config=tiny.gin
@@ -25,7 +27,14 @@ EPILOG = """examples:
   python -m maxlm.train --config=gpt2_124m.gin --gin_bindings='MeshConfig.fsdp=8' --gin_bindings='MeshConfig.data=1'
 
 A bare config name is looked up in configs/. Rerunning with the same --run_dir resumes from its
-latest checkpoint. Watch a run with: tensorboard --logdir RUN_DIR/tensorboard"""
+latest good checkpoint. SIGTERM or Ctrl-C saves and exits 0; rerun the command to continue.
+Watch a run with: tensorboard --logdir RUN_DIR/tensorboard"""
+
+MAX_ROLLBACKS = 5  # a run that keeps diverging after this many rollbacks needs a person
+
+
+class TrainingError(RuntimeError):
+    """A failure the user must act on; the message is one line."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -35,6 +44,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
                    help="override one field, e.g. 'TrainConfig.steps=100' (repeatable)")
     p.add_argument("--run_dir", help="where checkpoints and records go (overrides TrainConfig.run_dir)")
+    p.add_argument("--resume_from", metavar="STEP|PATH",
+                   help="restore this step of the run directory, or a checkpoint path "
+                        "(RUN_DIR or RUN_DIR/checkpoints/STEP), instead of the latest")
+    p.add_argument("--fresh", action="store_true",
+                   help="start from scratch even if the run directory holds checkpoints "
+                        "(they are moved aside, never deleted)")
     return p.parse_args(argv)
 
 
@@ -58,11 +73,65 @@ def _evaluate(eval_step, params, batches) -> float:
     return total / max(weight, 1.0)
 
 
-def train(cfg: config.Config) -> dict[str, Any]:
+def _test_nan_steps() -> set[int]:
+    """Fault injection for tests: MAXLM_TEST_NAN_STEPS=5,9 poisons the batches of those steps."""
+    return {int(s) for s in os.environ.get("MAXLM_TEST_NAN_STEPS", "").split(",") if s.strip()}
+
+
+def _restore_data(batches, data_state: dict, where: str) -> None:
+    try:
+        batches.set_state(data_state)
+    except ValueError as err:  # the pipeline refuses a state saved under another data config
+        raise TrainingError(f"cannot resume the data pipeline from {where}: {err}") from None
+
+
+def _restore(cfg, ckpt, resume_from, abstract, shardings):
+    """(step, state, data_state, source) from --resume_from or the latest good checkpoint; None if none."""
+    if resume_from is None:
+        found = ckpt.restore_latest_good(abstract, shardings) if ckpt else None
+        return None if found is None else (*found[:3], ckpt.directory / str(found[0]))
+    if resume_from.isdigit():
+        source, step_n = ckpt, int(resume_from)
+    else:
+        path = Path(resume_from).expanduser().resolve()
+        if (path / "checkpoints").is_dir():
+            source = checkpoint.Checkpointer(path, cfg.checkpoint, log=_say)
+            found = source.restore_latest_good(abstract, shardings)
+            if found is None:
+                raise TrainingError(f"--resume_from={resume_from}: no usable checkpoint in {path / 'checkpoints'}")
+            return (*found[:3], path / "checkpoints" / str(found[0]))
+        if not (path.name.isdigit() and path.is_dir()):
+            raise TrainingError(f"--resume_from={resume_from}: expected STEP, RUN_DIR or RUN_DIR/checkpoints/STEP")
+        source, step_n = checkpoint.Checkpointer(path.parent.parent, cfg.checkpoint, log=_say), int(path.name)
+    if source is None or step_n not in source.steps():
+        raise TrainingError(f"--resume_from={resume_from}: no checkpoint of step {step_n}")
+    problem = source.problem(step_n)
+    if problem:
+        raise TrainingError(f"--resume_from={resume_from}: checkpoint {source.directory / str(step_n)} is {problem}")
+    state, data_state, _ = source.restore(step_n, abstract, shardings)
+    return step_n, state, data_state, source.directory / str(step_n)
+
+
+def _previous_progress(run_dir: Path) -> int:
+    """The last step an earlier process of this run logged (steps past the checkpoint are redone)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
     """Run (or resume) training as configured; returns a summary of the run."""
+    goodput = resilience.Goodput()
     tc = cfg.train
     run_dir = Path(tc.run_dir).expanduser()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if fresh and (run_dir / "checkpoints").exists() and jax.process_index() == 0:
+        aside = run_dir / f"checkpoints_replaced_{time.strftime('%Y%m%d-%H%M%S')}"
+        (run_dir / "checkpoints").rename(aside)
+        _say(f"--fresh: moved the existing checkpoints to {aside}")
+    previous_progress = _previous_progress(run_dir)
     if jax.process_index() == 0:
         (run_dir / "config.gin").write_text(config.operative_gin(cfg))
     recorder = metrics.RunRecorder(run_dir)
@@ -70,26 +139,29 @@ def train(cfg: config.Config) -> dict[str, Any]:
     mesh = sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
     optimizer = optim.make_optimizer(cfg.optim, tc.steps)
     shardings = step.state_shardings(cfg, mesh, optimizer)
-    ckpt = checkpoint.Checkpointer(run_dir, cfg.checkpoint) if cfg.checkpoint.enabled else None
+    ckpt = checkpoint.Checkpointer(run_dir, cfg.checkpoint, log=_say) if cfg.checkpoint.enabled else None
     tokenizer = data.get_tokenizer(cfg.data.tokenizer)
     batches = data.make_train_iterator(cfg.data, seq_len=tc.seq_len, global_batch=tc.global_batch,
                                        process_index=jax.process_index(), process_count=jax.process_count())
-    t_start = time.perf_counter()
+    tokens_per_step = tc.global_batch * tc.seq_len
+    nan_steps = _test_nan_steps()
 
-    with jax.set_mesh(mesh):
-        latest = ckpt.latest_step() if ckpt else None
-        if latest is not None:
-            abstract = jax.eval_shape(lambda: step.init_state(cfg, optimizer, shardings))
-            state, data_state = ckpt.restore(latest, abstract, shardings)
-            batches.set_state(data_state)
-            _say(f"resuming from {ckpt.directory / str(latest)} (step {latest})")
+    with jax.set_mesh(mesh), resilience.Preemption() as preemption:
+        abstract = jax.eval_shape(lambda: step.init_state(cfg, optimizer, shardings))
+        restored = _restore(cfg, ckpt, resume_from, abstract, shardings)
+        if restored is not None:
+            first, state, data_state, source = restored
+            _restore_data(batches, data_state, str(source))
+            _say(f"resuming from {source} (step {first})")
+            recorder.event(first, "resume", source=str(source), redo_steps=max(previous_progress - first, 0))
         else:
             params = None
             if tc.init_params:
-                abstract_params = jax.eval_shape(lambda: step.init_state(cfg, optimizer, shardings).params)
-                params = checkpoint.restore_params(tc.init_params, abstract_params, shardings.params)
+                params = checkpoint.restore_params(tc.init_params, abstract.params, shardings.params)
                 _say(f"initialised parameters from {tc.init_params}")
             state = step.init_state(cfg, optimizer, shardings, params)
+            first = 0
+        redo_until = max(previous_progress, first) if restored is not None else 0
         train_step, eval_step = step.compile_steps(cfg, mesh, optimizer, shardings)
         eval_batches = [step.device_batch(b, mesh) for b in data.make_eval_batches(
             cfg.data, seq_len=tc.seq_len, global_batch=tc.global_batch, num_batches=tc.eval_batches,
@@ -101,69 +173,137 @@ def train(cfg: config.Config) -> dict[str, Any]:
         recorder.record_run({"config": cfg.source, "params": n_params, "devices": jax.device_count(),
                              "mesh": cfg.mesh.shape(jax.device_count()), "peak_flops_per_device": peak,
                              "flops_per_token": flops_per_token})
-        first = int(state.step)
         if first >= tc.steps:
             _say(f"{run_dir} is already at step {first} of {tc.steps}: nothing to train "
                  "(raise TrainConfig.steps to continue, or pick a new --run_dir)")
         _say(f"maxlm: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
              f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {run_dir}")
 
-        eval_losses, window, last_loss = [], [], float("nan")
+        eval_losses, window, last_loss, rollbacks, preempted = [], [], float("nan"), 0, None
+        steps_run = redone = 0
 
         def run_eval(at_step: int) -> None:
-            eval_loss = _evaluate(eval_step, state.params, eval_batches)
+            jax.block_until_ready(state)  # finish pending steps first: their time is training's
+            with goodput.timed("eval"):
+                eval_loss = _evaluate(eval_step, state.params, eval_batches)
             eval_losses.append((at_step, eval_loss))
             recorder.log(at_step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))})
             _say(f"step {at_step}: eval loss {eval_loss:.4f}")
 
-        if first == 0:
+        def save(at_step: int) -> None:
+            jax.block_until_ready(state)
+            with goodput.timed("checkpoint"):
+                ckpt.save(at_step, state, batches.get_state(), cfg.to_dict(),
+                          {"tokens_seen": at_step * tokens_per_step})
+
+        if first == 0 and first < tc.steps:
             run_eval(0)  # the baseline the run is judged against
-        t_window = time.perf_counter()
-        progress = tqdm(range(first, tc.steps), initial=first, total=tc.steps, desc="train",
-                        disable=jax.process_index() != 0, dynamic_ncols=True)
-        for i in progress:
-            state, step_metrics = train_step(state, step.device_batch(next(batches), mesh))
+        progress = tqdm(total=tc.steps, initial=first, desc="train", disable=jax.process_index() != 0,
+                        dynamic_ncols=True)
+        done, t_window = first, time.perf_counter()
+        while done < tc.steps:
+            with goodput.timed("data"):
+                batch = next(batches)
+            if done + 1 in nan_steps:
+                batch = {**batch, "weights": batch["weights"] * np.float32("nan")}
+            state, step_metrics = train_step(state, step.device_batch(batch, mesh))
             window.append(step_metrics)
-            done = i + 1
+            done += 1
+            steps_run += 1
+            redone += done <= redo_until
+            progress.update(1)
+            if steps_run == 1:
+                jax.block_until_ready(state)
+                goodput.add("startup", time.perf_counter() - goodput.start - sum(goodput.seconds.values()))
+                t_window = time.perf_counter()
             if done % tc.log_every == 0 or done == tc.steps:
                 fetched = jax.device_get(window)  # waits for the window's steps to finish
-                elapsed = time.perf_counter() - t_window
-                tokens = sum(float(m["tokens"]) for m in fetched)
-                last_loss = float(fetched[-1]["loss"])
-                tokens_per_s = len(fetched) * tc.global_batch * tc.seq_len / elapsed
+                elapsed = max(time.perf_counter() - t_window, 1e-9)
+                last = fetched[-1]
+                last_loss = float(last["loss"])
+                tokens_per_s = len(fetched) * tokens_per_step / elapsed
                 logged = {"loss": last_loss, "perplexity": math.exp(min(last_loss, 50.0)),
-                          "grad_norm": float(fetched[-1]["grad_norm"]), "lr": float(fetched[-1]["lr"]),
+                          "grad_norm": float(last["grad_norm"]), "lr": float(last["lr"]),
                           "tokens_per_s": tokens_per_s, "step_time_s": elapsed / len(fetched),
                           "mfu": tokens_per_s * flops_per_token / (peak * jax.device_count()),
                           "skipped": int(sum(int(m["skipped"]) for m in fetched)),
-                          "loss_scale": float(fetched[-1]["loss_scale"]), "target_tokens": tokens}
+                          "loss_scale": float(last["loss_scale"])}
                 recorder.log(done, logged)
+                for offset, m in enumerate(fetched):
+                    if int(m["skipped"]):
+                        at = done - len(fetched) + offset + 1
+                        reason = "spike" if int(m["spike"]) else "non-finite"
+                        recorder.event(at, "skipped_step", reason=reason, step_loss=float(m["loss"]),
+                                       step_grad_norm=float(m["grad_norm"]))
+                        _say(f"step {at}: skipped the update ({reason} loss {float(m['loss']):.4g}, "
+                             f"grad norm {float(m['grad_norm']):.4g})")
                 progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                                      mfu=f"{logged['mfu']:.1%}")
                 window, t_window = [], time.perf_counter()
+                if tc.rollback_after and max(int(m["bad_streak"]) for m in fetched) >= tc.rollback_after:
+                    rollbacks += 1
+                    if rollbacks > MAX_ROLLBACKS:
+                        raise TrainingError(f"step {done}: still {tc.rollback_after}+ bad steps in a row after "
+                                            f"{MAX_ROLLBACKS} rollbacks; see {run_dir / 'metrics.jsonl'}")
+                    with goodput.timed("checkpoint"):
+                        ckpt.wait()
+                        found = ckpt.restore_latest_good(abstract, shardings, before=done)
+                    if found is None:
+                        raise TrainingError(f"step {done}: {tc.rollback_after} bad steps in a row and no "
+                                            "checkpoint to roll back to")
+                    back, state, data_state, _ = found
+                    state = state.replace(lr_scale=state.lr_scale * tc.rollback_lr_factor,
+                                          bad_streak=state.bad_streak * 0)
+                    _restore_data(batches, data_state, f"checkpoint {back}")
+                    recorder.event(done, "rollback", to_step=back, lr_scale=float(state.lr_scale))
+                    _say(f"step {done}: {tc.rollback_after} bad steps in a row; rolled back to step {back} "
+                         f"with the learning rate scaled by {float(state.lr_scale):.3g}")
+                    redo_until, done = max(redo_until, done), back
+                    progress.n = back
+                    progress.refresh()
+                    continue
             if done % tc.eval_every == 0 or done == tc.steps:
                 run_eval(done)
                 t_window = time.perf_counter()  # evaluation time is not training throughput
-            if ckpt and (done % cfg.checkpoint.every_steps == 0 or done == tc.steps):
-                ckpt.save(done, state, batches.get_state(), cfg.to_dict(), force=True)
+            if preemption.requested(done):
+                preempted = preemption.signal_name or "preemption notice"
+            if ckpt and (ckpt.due(done) or done == tc.steps or preempted):
+                save(done)
+                t_window = time.perf_counter()
+            if preempted:
+                break
         progress.close()
         batches.close()
         if ckpt:
-            ckpt.wait()
-            ckpt.close()
+            with goodput.timed("checkpoint"):
+                ckpt.close()  # waits for the last save: never exit with a checkpoint in flight
         skipped = int(state.skipped)
         text = ""
-        if tc.sample_tokens:
+        if preempted:
+            recorder.event(done, "preempted", signal=preempted)
+            where = f"saved step {done} in {ckpt.directory}" if ckpt else "checkpoints are disabled: nothing saved"
+            _say(f"stopped by {preempted} after step {done}: {where}; rerun the same command to resume")
+        elif tc.sample_tokens:
             prompt = tokenizer.encode("def ", add_eos=False)
             tokens = generate.sample(cfg.model, state.params, prompt, tc.sample_tokens, seed=tc.seed)
             text = "def " + tokenizer.decode(tokens)
             _say("sample:\n" + text)
+
+    account = goodput.summary()
+    measured = sum(v for k, v in account.items() if k.endswith("_s") and k != "wall_s")
+    productive = max(account["wall_s"] - measured, 0.0)  # what is left is stepping
+    per_step = productive / max(steps_run, 1)
+    account.update(lost_s=redone * per_step, train_s=productive - redone * per_step, redone_steps=redone)
+    account["goodput"] = account["train_s"] / account["wall_s"]
+    recorder.log(done, {f"goodput/{k}": v for k, v in account.items()})
     plot = recorder.plot()
     recorder.close()
-    summary = {"run_dir": str(run_dir), "first_step": first, "last_step": tc.steps, "loss": last_loss,
-               "eval_losses": eval_losses, "skipped_steps": skipped, "sample": text,
-               "wall_s": time.perf_counter() - t_start, "loss_png": str(plot) if plot else None}
-    _say(f"done: {json.dumps({k: v for k, v in summary.items() if k not in ('sample', 'eval_losses')})}")
+    summary = {"run_dir": str(run_dir), "first_step": first, "last_step": done, "loss": last_loss,
+               "eval_losses": eval_losses, "skipped_steps": skipped, "rollbacks": rollbacks,
+               "preempted": preempted, "sample": text, "goodput": account,
+               "loss_png": str(plot) if plot else None}
+    breakdown = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in account.items() if k.endswith("_s") and k != "wall_s")
+    _say(f"done: steps {first}->{done} in {account['wall_s']:.1f}s, goodput {account['goodput']:.1%} ({breakdown})")
     return summary
 
 
@@ -171,10 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args)
+        train(cfg, resume_from=args.resume_from, fresh=args.fresh)
     except config.ConfigError as err:
         print(f"maxlm.train: config error: {err}", file=sys.stderr)
         return 2
-    train(cfg)
+    except (checkpoint.CheckpointError, TrainingError) as err:
+        print(f"maxlm.train: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
