@@ -176,15 +176,26 @@ class Checkpointer:
                 return f"file {name} fails its sha256"
         return None
 
+    def _move_aside(self, step: int, folder: Path, label: str) -> None:
+        if self.is_writer:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(folder / f"{step}-{label}-{int(time.time())}"))
+        self.manager.reload()
+
     def reject(self, step: int, reason: str) -> None:
         """Move a bad checkpoint aside (never delete it) and say so."""
         self.log(f"checkpoint {self.directory / str(step)} is unusable: {reason}; "
                  f"moving it to {self.rejected_dir} and trying the previous one")
-        if self.is_writer:
-            self.rejected_dir.mkdir(parents=True, exist_ok=True)
-            slug = reason.split(" ")[0].strip("(:")
-            shutil.move(str(self.directory / str(step)), str(self.rejected_dir / f"{step}-{slug}-{int(time.time())}"))
-        self.manager.reload()
+        self._move_aside(step, self.rejected_dir, reason.split(" ")[0].strip("(:"))
+
+    def supersede_after(self, step: int) -> None:
+        """Resuming from an earlier step abandons the later checkpoints: keep them aside."""
+        later = [s for s in self.steps() if s > step]
+        if later:
+            folder = self.directory.parent / "checkpoints_superseded"
+            self.log(f"resuming from step {step}: moving the later checkpoints {later} to {folder}")
+            for s in later:
+                self._move_aside(s, folder, "superseded")
 
     def check_matches(self, step: int, abstract_state: Any) -> None:
         """Fail with one line naming every parameter whose shape differs from the model's."""

@@ -109,6 +109,8 @@ def _restore(cfg, ckpt, resume_from, abstract, shardings):
     if problem:
         raise TrainingError(f"--resume_from={resume_from}: checkpoint {source.directory / str(step_n)} is {problem}")
     state, data_state, _ = source.restore(step_n, abstract, shardings)
+    if ckpt is not None:
+        ckpt.supersede_after(step_n if source is ckpt else -1)
     return step_n, state, data_state, source.directory / str(step_n)
 
 
@@ -204,7 +206,8 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
         while done < tc.steps:
             with goodput.timed("data"):
                 batch = next(batches)
-            if done + 1 in nan_steps:
+            if done + 1 in nan_steps:  # each injected fault fires once
+                nan_steps.discard(done + 1)
                 batch = {**batch, "weights": batch["weights"] * np.float32("nan")}
             state, step_metrics = train_step(state, step.device_batch(batch, mesh))
             window.append(step_metrics)
@@ -251,13 +254,15 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
                     if found is None:
                         raise TrainingError(f"step {done}: {tc.rollback_after} bad steps in a row and no "
                                             "checkpoint to roll back to")
-                    back, state, data_state, _ = found
+                    # The model goes back; the data stream does not (as in PaLM): the batches that
+                    # led into the divergence are skipped rather than replayed.
+                    back, state, _, _ = found
                     state = state.replace(lr_scale=state.lr_scale * tc.rollback_lr_factor,
                                           bad_streak=state.bad_streak * 0)
-                    _restore_data(batches, data_state, f"checkpoint {back}")
                     recorder.event(done, "rollback", to_step=back, lr_scale=float(state.lr_scale))
                     _say(f"step {done}: {tc.rollback_after} bad steps in a row; rolled back to step {back} "
-                         f"with the learning rate scaled by {float(state.lr_scale):.3g}")
+                         f"with the learning rate scaled by {float(state.lr_scale):.3g}; skipping the "
+                         f"{done - back} batches since")
                     redo_until, done = max(redo_until, done), back
                     progress.n = back
                     progress.refresh()
