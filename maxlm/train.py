@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from maxlm import checkpoint, config, data, generate, metrics, optim, resilience, sharding, step
+from maxlm import checkpoint, config, data, distributed, generate, metrics, optim, resilience, sharding, step
 
 EPILOG = """examples:
   python -m maxlm.train --config=tiny.gin
@@ -50,6 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true",
                    help="start from scratch even if the run directory holds checkpoints "
                         "(they are moved aside, never deleted)")
+    distributed.add_flags(p)
     return p.parse_args(argv)
 
 
@@ -315,10 +316,14 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        distributed.initialize(args)  # before anything touches a device
         cfg = load_config(args)
         train(cfg, resume_from=args.resume_from, fresh=args.fresh)
     except config.ConfigError as err:
         print(f"maxlm.train: config error: {err}", file=sys.stderr)
+        return 2
+    except distributed.DistributedError as err:
+        print(f"maxlm.train: {err}", file=sys.stderr)
         return 2
     except (checkpoint.CheckpointError, TrainingError) as err:
         print(f"maxlm.train: error: {err}", file=sys.stderr)
