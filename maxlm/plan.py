@@ -1,0 +1,462 @@
+"""``python -m maxlm.plan --config=gpt175b.gin --tokens=300e9``: what a run needs, before renting.
+
+From the config alone, in seconds: parameters, FLOPs, per-device memory under the config's mesh,
+step time, GPU-hours, days and cost; with ``--aot``, the real ``train_step`` compiled on fake CPU
+devices shaped like that mesh, and XLA's memory analysis printed next to the estimate.
+
+FLOPs follow ``maxlm.metrics.flops_per_token`` (PaLM appendix B, the function training's MFU
+uses): 6N per token counts the forward (2N) and the backward (4N) matmuls once each, so the
+popular "6 x params x seq_len per sequence, x 2 for the backward" counts the backward twice.
+For GPT-3 175B and 300B tokens, 6ND = 3.14e23 (Brown et al. 2020); attention's 12.L.H.Q.T adds
+2.8% at sequence 2048. Memory comes from ``maxlm.plan_memory``.
+
+``--json`` prints one object with these keys (bytes are per device; FLOPs are totals):
+  config, gpu, gpu_name, gpus, mesh {data, fsdp, tensor, pipeline},
+  params, matmul_params, n_layers, seq_len, global_batch, microbatches, tokens_per_step, tokens,
+  steps, flops_per_token, attention_flops_per_token, recompute_flops_per_token,
+  model_flops_6nd (6 x params x tokens), flops_with_attention (flops_per_token x tokens),
+  memory {params, grads, optimizer, activations, workspace, total}, memory_detail {...},
+  gpu_memory_bytes, fits, suggestions [{change, bindings, gpus, total_bytes, note}],
+  peak_flops_per_gpu, mfu, pipeline_bubble, step_time_s, tokens_per_s, gpu_hours, days,
+  price_per_gpu_hour, cost_usd, warnings [...], notes [...],
+  and with --aot: aot {devices, layers_compiled, extrapolated, compile_s, xla_options,
+  argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes, total_bytes,
+  estimate_total_bytes, ratio (XLA total / estimate), ratio_without_cpu_upcast,
+  cpu_fp32_upcast_bytes, estimate_state_bytes, estimate_temp_bytes, notes [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from maxlm import config  # no jax here: --aot must set XLA_FLAGS before jax starts
+
+JSON_KEYS = (
+    "config", "gpu", "gpu_name", "gpus", "mesh", "params", "matmul_params", "n_layers", "seq_len",
+    "global_batch", "microbatches", "tokens_per_step", "tokens", "steps", "flops_per_token",
+    "attention_flops_per_token", "recompute_flops_per_token", "model_flops_6nd", "flops_with_attention",
+    "memory", "memory_detail", "gpu_memory_bytes", "fits", "suggestions", "peak_flops_per_gpu", "mfu",
+    "pipeline_bubble", "step_time_s", "tokens_per_s", "gpu_hours", "days", "price_per_gpu_hour",
+    "cost_usd", "warnings", "notes")  # and "aot" with --aot
+# Per GPU: dense bf16 peak FLOP/s, memory, and an assumed on-demand price (override it).
+GPUS = {
+    "a100": {"name": "NVIDIA A100 80GB SXM", "peak_flops": 312e12, "memory": 80e9, "price": 1.80},
+    "h100": {"name": "NVIDIA H100 80GB SXM", "peak_flops": 989e12, "memory": 80e9, "price": 2.50},
+    "h200": {"name": "NVIDIA H200 141GB SXM", "peak_flops": 989e12, "memory": 141e9, "price": 3.50},
+}
+# XLA:CPU (no native bf16 arithmetic) hoists an fp32 copy of every bf16 stacked activation out of
+# the backward loop; a GPU compile does not. Turning that one pass off makes the CPU buffer
+# assignment a faithful stand-in for the GPU's (see --aot_stock_xla).
+AOT_XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+EPILOG = """examples:
+  python -m maxlm.plan --config=gpt175b.gin --tokens=300e9 --gpu=h100
+  python -m maxlm.plan --config=llama3_8b.gin --gpus=64 --json
+  python -m maxlm.plan --config=llama3_1b.gin --aot            # compile on 8 fake CPU devices
+  python -m maxlm.plan --config=gpt175b.gin --aot --aot_layers=4   # 4 and 8 layers, scaled to 96
+
+--gpus defaults to the product of the config's mesh degrees, times 8 where one degree is -1.
+A pipeline degree above 1 is planned arithmetically (GPipe); training with it arrives with the
+pipeline work. Config mistakes print one line and exit with status 2."""
+GB = 1e9
+HEADROOM = 0.9  # a suggested change must leave 10% of the GPU for XLA's workspace and fragmentation
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    description = ("Plan a training run from its config: parameters, FLOPs, per-device memory under "
+                   "the mesh, step time, GPU-hours, days and cost; --aot also compiles the real "
+                   "train_step on fake CPU devices and sets XLA's memory analysis beside the estimate.")
+    p = argparse.ArgumentParser(prog="python -m maxlm.plan", description=description, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny.gin", help="gin file, or a bare name in configs/")
+    p.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
+                   help="override one field, e.g. 'ModelConfig.remat=\"full\"' (repeatable)")
+    p.add_argument("--tokens", type=float, metavar="N",
+                   help="training tokens, e.g. 300e9 (default: steps x global_batch x seq_len)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU type (default: h100)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="GPU count; resolves a -1 mesh degree (default: see below)")
+    p.add_argument("--mfu", type=float, default=0.45, metavar="FRACTION",
+                   help="assumed model FLOPs utilisation (default: 0.45)")
+    p.add_argument("--price_per_gpu_hour", type=float, metavar="USD",
+                   help="US$ per GPU-hour (default: an assumed on-demand price per GPU type)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--aot", action="store_true",
+                   help="also compile the real train_step on fake CPU devices shaped like the mesh")
+    p.add_argument("--aot_layers", type=int, default=0, metavar="K",
+                   help="with --aot: compile K and 2K layers and scale to n_layers (default: all layers)")
+    p.add_argument("--aot_stock_xla", action="store_true",
+                   help="with --aot: keep XLA:CPU's default passes (adds CPU-only fp32 copies)")
+    args = p.parse_args(argv)
+    if args.aot_layers == 1 or args.aot_layers < 0:
+        p.error("--aot_layers must be 0 (all) or at least 2: a one-layer scan compiles differently")
+    if not 0 < args.mfu <= 1:
+        p.error(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.gpus is not None and args.gpus < 1:
+        p.error(f"--gpus must be positive, got {args.gpus}")
+    return args
+
+
+def default_gpus(mesh: config.MeshConfig) -> int:
+    degrees = [mesh.data, mesh.fsdp, mesh.tensor, mesh.pipeline]
+    fixed = math.prod(d for d in degrees if d > 0)
+    return fixed * 8 if -1 in degrees else fixed
+
+
+def resolve(args: argparse.Namespace) -> tuple[config.Config, dict[str, int]]:
+    """The config and its mesh degrees on --gpus devices; ConfigError on any inconsistency."""
+    cfg = config.load(args.config, args.gin_bindings)
+    gpus = args.gpus or default_gpus(cfg.mesh)
+    try:
+        degrees = cfg.mesh.shape(gpus)
+    except config.ConfigError as err:
+        raise config.ConfigError(f"{cfg.source}: {err}") from None
+    return cfg.replace(mesh=degrees), degrees
+
+
+def validate(cfg: config.Config, degrees: dict[str, int]) -> None:
+    """config.validate for a GPU plan: pipeline folded away (checked here), cudnn allowed."""
+    pipe = degrees["pipeline"]
+    if cfg.model.n_layers % pipe:
+        raise config.ConfigError(f"{cfg.source}: ModelConfig.n_layers = {cfg.model.n_layers} is not "
+                                 f"divisible by MeshConfig.pipeline = {pipe}")
+    flat = cfg.replace(mesh={"pipeline": 1}, model={"attention_impl": "xla"})
+    config.validate(flat, math.prod(degrees.values()) // pipe)
+
+
+def recompute_flops_per_token(m: config.ModelConfig, seq_len: int) -> float:
+    """Extra forward work the remat policy redoes in the backward (not counted in MFU)."""
+    from maxlm import metrics
+
+    attn_fwd = 4.0 * m.n_layers * m.n_heads * m.dim_per_head * seq_len
+    if m.remat == "full":
+        return 2.0 * metrics.matmul_params(m) + attn_fwd
+    return attn_fwd if m.remat in ("save_dots", "save_named") else 0.0
+
+
+def timing(cfg: config.Config, degrees: dict[str, int], gpu: dict, mfu: float) -> dict[str, float]:
+    from maxlm import metrics
+
+    tc, gpus = cfg.train, math.prod(degrees.values())
+    tokens_per_step = tc.global_batch * tc.seq_len
+    pipe, micro = degrees["pipeline"], cfg.optim.microbatches
+    bubble = (pipe - 1) / (micro + pipe - 1)
+    step_time = (metrics.flops_per_token(cfg.model, tc.seq_len) * tokens_per_step
+                 / (mfu * gpu["peak_flops"] * gpus) / (1 - bubble))
+    return {"pipeline_bubble": bubble, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
+
+
+def memory(cfg: config.Config, degrees: dict[str, int]) -> dict[str, Any]:
+    from maxlm import plan_memory
+
+    return plan_memory.memory(cfg, degrees)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def _fits(cfg: config.Config, degrees: dict[str, int], limit: float) -> tuple[bool, int]:
+    try:
+        validate(cfg, degrees)
+    except config.ConfigError:
+        return False, 0
+    total = memory(cfg, degrees)["total"]
+    return total <= limit, total
+
+
+def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> list[dict[str, Any]]:
+    """For each kind of change (one field), the smallest that brings the per-device total under
+    ``limit``, computed with the same memory model; best first (least cost to throughput):
+    cuDNN attention, more microbatches, a stronger remat policy, more fsdp or pipeline stages
+    out of the data axis, more GPUs into fsdp."""
+    m, out = cfg.model, []
+
+    def consider(change: dict[str, dict], new_degrees: dict[str, int], note: str) -> bool:
+        ok, total = _fits(cfg.replace(**change, mesh=new_degrees), new_degrees, limit)
+        if ok:
+            cls = {"model": "ModelConfig", "optim": "OptimConfig", "mesh": "MeshConfig"}
+            bindings = [f"{cls[s]}.{k}={v!r}" for s, kv in change.items() for k, v in kv.items()]
+            bindings += [f"MeshConfig.{k}={v}" for k, v in new_degrees.items() if v != degrees[k]]
+            out.append({"change": ", ".join(bindings), "bindings": bindings,
+                        "gpus": math.prod(new_degrees.values()), "total_bytes": total, "note": note})
+        return ok
+
+    if m.attention_impl == "xla":
+        consider({"model": {"attention_impl": "cudnn"}}, degrees,
+                 "cuDNN flash attention: no [heads, T, T] scores in memory, and faster")
+    local = cfg.train.global_batch // (degrees["data"] * degrees["fsdp"])
+    for micro in _divisors(local):
+        if micro > cfg.optim.microbatches and micro % cfg.optim.microbatches == 0 and consider(
+                {"optim": {"microbatches": micro}}, degrees,
+                "more gradient-accumulation microbatches: same tokens per step, smaller matmuls"):
+            break
+    current = memory(cfg, degrees)["activations"]
+    for policy, note in (("save_dots", "recomputes elementwise ops and attention"),
+                         ("save_named", "recomputes elementwise ops, attention and one MLP matmul"),
+                         ("full", "recomputes the whole forward: about +33% compute")):
+        smaller = memory(cfg.replace(model={"remat": policy}), degrees)["activations"] < current
+        if policy != m.remat and smaller and consider({"model": {"remat": policy}}, degrees, note):
+            break
+    for axis, note in (("fsdp", "ZeRO-3 over more devices: more all-gather/reduce-scatter traffic"),
+                       ("pipeline", "more pipeline stages: a larger bubble (planned arithmetically; "
+                                    "training arrives with the pipeline work)")):
+        for k in _divisors(degrees["data"]):
+            if consider({}, dict(degrees, data=degrees["data"] // k, **{axis: degrees[axis] * k}), note):
+                break
+    for k in (2, 4, 8, 16, 32, 64):
+        if consider({}, dict(degrees, fsdp=degrees["fsdp"] * k),
+                    f"{k}x the GPUs, all into fsdp: same GPU-hours, fewer days"):
+            break
+    return out
+
+
+def plan(cfg: config.Config, degrees: dict[str, int], gpu_key: str = "h100", tokens: float | None = None,
+         mfu: float = 0.45, price: float | None = None) -> dict[str, Any]:
+    """Everything the planner reports, as one JSON-ready dict (keys in the module docstring)."""
+    from maxlm import metrics, model
+
+    m, tc, gpu = cfg.model, cfg.train, GPUS[gpu_key]
+    gpus = math.prod(degrees.values())
+    tokens_per_step = tc.global_batch * tc.seq_len
+    tokens = float(tokens if tokens is not None else tc.steps * tokens_per_step)
+    params, per_token = model.param_count(m), metrics.flops_per_token(m, tc.seq_len)
+    attention = per_token - 6.0 * metrics.matmul_params(m)  # PaLM's 12.L.H.Q.T, from the same function
+    mem = memory(cfg, degrees)
+    price = GPUS[gpu_key]["price"] if price is None else price
+    t = timing(cfg, degrees, gpu, mfu)
+    seconds = tokens / t["tokens_per_s"]
+    gpu_hours = seconds * gpus / 3600
+    warnings, notes = [], []
+    fits = mem["total"] <= gpu["memory"]
+    if not fits:
+        warnings.append(f"per-device total {mem['total'] / GB:.1f} GB exceeds the {gpu['name']}'s "
+                        f"{gpu['memory'] / GB:.0f} GB")
+    elif mem["total"] > HEADROOM * gpu["memory"]:
+        warnings.append(f"per-device total {mem['total'] / GB:.1f} GB is within 10% of the "
+                        f"{gpu['memory'] / GB:.0f} GB: little room for XLA's workspace and fragmentation")
+    if m.dtype == "float32":
+        warnings.append("compute dtype is float32, but the peak FLOP/s are bf16 dense: expect far lower MFU")
+    if degrees["pipeline"] > 1:
+        notes.append(f"pipeline = {degrees['pipeline']} is planned arithmetically (GPipe, bubble "
+                     f"{t['pipeline_bubble']:.1%} with {cfg.optim.microbatches} microbatches); "
+                     "training with it arrives with the pipeline work")
+    return {
+        "config": cfg.source, "gpu": gpu_key, "gpu_name": gpu["name"], "gpus": gpus, "mesh": degrees,
+        "params": params, "matmul_params": metrics.matmul_params(m), "n_layers": m.n_layers,
+        "seq_len": tc.seq_len, "global_batch": tc.global_batch, "microbatches": cfg.optim.microbatches,
+        "tokens_per_step": tokens_per_step, "tokens": tokens, "steps": tokens / tokens_per_step,
+        "flops_per_token": per_token, "attention_flops_per_token": attention,
+        "recompute_flops_per_token": recompute_flops_per_token(m, tc.seq_len),
+        "model_flops_6nd": 6.0 * params * tokens, "flops_with_attention": per_token * tokens,
+        "memory": {k: v for k, v in mem.items() if k != "detail"}, "memory_detail": mem["detail"],
+        "gpu_memory_bytes": gpu["memory"], "fits": fits,
+        "suggestions": [] if fits else suggestions(cfg, degrees, HEADROOM * gpu["memory"]),
+        "peak_flops_per_gpu": gpu["peak_flops"], "mfu": mfu, **t,
+        "gpu_hours": gpu_hours, "days": seconds / 86400, "price_per_gpu_hour": price,
+        "cost_usd": gpu_hours * price, "warnings": warnings, "notes": notes,
+    }
+
+
+def _compile(cfg: config.Config, degrees: dict[str, int], stock: bool) -> tuple[dict[str, int], float, int]:
+    """Lower and compile the real train_step from abstract shapes on fake CPU devices; returns
+    XLA's per-device memory analysis, the compile seconds, and fp32 copies of bf16 layer stacks."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxlm import optim, sharding, step
+
+    n = math.prod(degrees.values())
+    mesh = sharding.make_mesh(degrees, jax.devices()[:n])
+    optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    shardings = step.state_shardings(cfg, mesh, optimizer)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        shapes = jax.eval_shape(lambda: step.init_state(cfg, optimizer, shardings))
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             shapes, shardings)
+        rows = (cfg.train.global_batch, cfg.train.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(rows, jnp.float32 if k == "weights" else jnp.int32,
+                                         sharding=sharding.batch_sharding(mesh)) for k in step.BATCH_KEYS}
+        train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
+        compiled = train_step.lower(state, batch).compile(
+            compiler_options=None if stock else AOT_XLA_OPTIONS)
+    seconds = time.perf_counter() - start
+    ma = compiled.memory_analysis()
+    stats = {k: int(getattr(ma, f"{k}_size_in_bytes"))
+             for k in ("argument", "output", "alias", "temp", "generated_code")}
+    upcast = 0
+    if stock:  # converts of whole bf16 [n_layers, ...] stacks to fp32, as XLA:CPU emits them
+        for dims in set(re.findall(r": bf16\[([\d,]+)\]\) -> f32\[\1\]", compiled.as_text())):
+            shape = [int(d) for d in dims.split(",")]
+            upcast += 4 * math.prod(shape) if shape[0] == cfg.model.n_layers else 0
+    return stats, seconds, upcast
+
+
+def _check_aot(cfg: config.Config, degrees: dict[str, int]) -> None:
+    if degrees["pipeline"] > 1:
+        raise config.ConfigError(f"{cfg.source}: --aot compiles the real train_step, which has no pipeline "
+                                 f"yet (MeshConfig.pipeline = {degrees['pipeline']}); plan without --aot")
+
+
+def aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0, stock: bool = False) -> dict[str, Any]:
+    """Compile the real train_step on fake CPU devices and set XLA's figures beside the estimate.
+
+    With ``layers`` = K (2 <= K, 2K < n_layers) it compiles K and 2K layers, keeping every other
+    shape and the mesh, and scales the per-layer difference up to n_layers."""
+    import jax
+
+    n, m, notes = math.prod(degrees.values()), cfg.model, []
+    _check_aot(cfg, degrees)
+    if jax.device_count() < n:
+        raise config.ConfigError(f"--aot needs {n} devices but this process has {jax.device_count()}")
+    if m.attention_impl == "cudnn":
+        cfg = cfg.replace(model={"attention_impl": "xla"})
+        notes.append("compiled with attention_impl = 'xla' (cuDNN kernels do not compile for CPU); "
+                     "the estimate beside it is for 'xla' too")
+    if layers == 1:
+        raise ValueError("compile at least 2 layers: a one-layer scan compiles differently")
+    if 0 < layers and 2 * layers < m.n_layers:
+        small, s1, u1 = _compile(cfg.replace(model={"n_layers": layers}), degrees, stock)
+        large, s2, u2 = _compile(cfg.replace(model={"n_layers": 2 * layers}), degrees, stock)
+        scale = (m.n_layers - layers) / layers
+        stats = {k: int(small[k] + scale * (large[k] - small[k])) for k in small}
+        upcast, seconds, compiled = int(u1 + scale * (u2 - u1)), s1 + s2, [layers, 2 * layers]
+        notes.append(f"compiled {layers} and {2 * layers} of {m.n_layers} layers (same mesh and per-device "
+                     f"shapes) and scaled the per-layer difference to {m.n_layers} layers")
+    else:
+        stats, seconds, upcast = _compile(cfg, degrees, stock)
+        compiled = [m.n_layers]
+    est = memory(cfg, degrees)
+    total = stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
+    est_state = est["params"] + est["optimizer"]
+    est_temp = est["grads"] + est["activations"] + est["workspace"]
+    ratio = total / est["total"]
+    if stock:
+        ratio = (total - upcast) / est["total"]
+        notes.append(f"stock XLA:CPU passes: it made {upcast / GB:.2f} GB of fp32 copies of bf16 layer "
+                     "stacks, hoisted out of the backward loop (a GPU compile makes none; not all are "
+                     f"live at the peak): without them XLA/plan would be at least {ratio:.2f}")
+    else:
+        notes.append("compiled with --xla_disable_hlo_passes=while-loop-invariant-code-motion so that "
+                     "XLA:CPU keeps bf16 activation stacks bf16 as a GPU compile does "
+                     "(--aot_stock_xla: without)")
+    if not 0.75 <= ratio <= 1.25:
+        parts = {"state (arguments vs params + optimizer)": (stats["argument"], est_state),
+                 "temporaries (temp vs grads + activations + workspace)":
+                     (stats["temp"] - upcast, est_temp)}
+        worst = max(parts, key=lambda k: abs(parts[k][0] - parts[k][1]))
+        xla, mine = parts[worst]
+        notes.append(f"XLA differs from the estimate mostly in {worst}: {xla / GB:.2f} GB vs "
+                     f"{mine / GB:.2f} GB; the estimate models a GPU-like schedule, XLA:CPU's buffer "
+                     "assignment orders and fuses differently")
+    return {"devices": n, "layers_compiled": compiled, "extrapolated": compiled != [m.n_layers],
+            "compile_s": seconds, "xla_options": None if stock else AOT_XLA_OPTIONS,
+            **{f"{k}_bytes": v for k, v in stats.items()}, "total_bytes": total,
+            "estimate_total_bytes": est["total"], "ratio": total / est["total"],
+            "ratio_without_cpu_upcast": ratio, "estimate_state_bytes": est_state,
+            "estimate_temp_bytes": est_temp, "cpu_fp32_upcast_bytes": upcast, "notes": notes}
+
+
+def _g(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def format_text(r: dict[str, Any]) -> str:
+    mem, d, mesh = r["memory"], r["memory_detail"], r["mesh"]
+    attention, six_n = r["attention_flops_per_token"], r["flops_per_token"] - r["attention_flops_per_token"]
+    lines = [
+        f"maxlm plan: {r['config']} on {r['gpus']} x {r['gpu_name']} "
+        f"(mesh {' '.join(f'{k}={v}' for k, v in mesh.items())})",
+        f"  parameters    {r['params'] / 1e9:,.3f}B ({r['matmul_params'] / 1e9:,.3f}B in matmuls), "
+        f"{r['n_layers']} layers, sequence {r['seq_len']}, {r['tokens_per_step']:,} tokens/step",
+        f"  FLOPs/token   {r['flops_per_token']:.4g} = 6N {six_n:.4g} + attention {attention:.4g} "
+        f"(+{attention / six_n:.1%}); remat recomputes {r['recompute_flops_per_token']:.3g} more",
+        f"  training      {r['tokens']:.4g} tokens = {r['steps']:,.0f} steps: model_flops_6nd "
+        f"{r['model_flops_6nd']:.4g}, flops_with_attention {r['flops_with_attention']:.4g}",
+        "                (6N per token already counts the backward: 2N forward + 4N backward)",
+        f"  memory/device {d['tokens_per_microbatch']:,} tokens per microbatch x {r['microbatches']} "
+        "microbatch(es)",
+        f"    parameters  {_g(mem['params'])}",
+        f"    gradients   {_g(mem['grads'])}"
+        + ("  (accumulator + microbatch)" if r["microbatches"] > 1 else ""),
+        f"    optimizer   {_g(mem['optimizer'])}",
+        f"    activations {_g(mem['activations'])}  (saved {_g(d['saved_activations'])}, peak at the "
+        f"{d['peak_at'].replace('_', ' ')})",
+        f"    workspace   {_g(mem['workspace'])}  (gathered embedding and its gradient, one gathered "
+        "layer)",
+        f"    total       {_g(mem['total'])} of {_g(r['gpu_memory_bytes'])}: "
+        + ("fits" if r["fits"] else "DOES NOT FIT"),
+        f"  time          at {r['mfu']:.0%} MFU of {r['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s: step "
+        f"{r['step_time_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s",
+        f"  cost          {r['gpu_hours']:,.0f} GPU-hours, {r['days']:,.1f} days on {r['gpus']} GPUs, "
+        f"${r['cost_usd']:,.0f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour",
+    ]
+    lines += [f"  warning: {w}" for w in r["warnings"]] + [f"  note: {n}" for n in r["notes"]]
+    for i, s in enumerate(r["suggestions"]):
+        lines.append(f"  {'suggestion' if i == 0 else 'or':>10}: {s['change']} -> {_g(s['total_bytes'])} "
+                     f"per device on {s['gpus']} GPUs ({s['note']})")
+    if not r["fits"] and not r["suggestions"]:
+        lines.append("  no single change tried (cudnn attention, microbatches, remat, fsdp, pipeline, "
+                     "up to 64x the GPUs) fits")
+    if "aot" in r:
+        a = r["aot"]
+        lines += [
+            f"  --aot         train_step compiled for {a['devices']} fake CPU devices, layers "
+            f"{'+'.join(map(str, a['layers_compiled']))}, in {a['compile_s']:.1f} s; per device:",
+            f"    XLA  arguments {_g(a['argument_bytes'])}, temp {_g(a['temp_bytes'])}, output "
+            f"{_g(a['output_bytes'])} ({_g(a['alias_bytes'])} aliased to donated arguments), "
+            f"code {_g(a['generated_code_bytes'])} -> total {_g(a['total_bytes'])}",
+            f"    plan state {_g(a['estimate_state_bytes'])}, temporaries {_g(a['estimate_temp_bytes'])} "
+            f"-> total {_g(a['estimate_total_bytes'])}; XLA/plan = {a['ratio']:.2f}",
+        ]
+        lines += [f"    note: {n}" for n in a["notes"]]
+    return "\n".join(lines)
+
+
+def _ensure_devices(n: int, argv: list[str]) -> int | None:
+    """Make n fake CPU devices available: set XLA_FLAGS if jax has not started, else rerun this
+    command in a child process that sets them. Returns the child's exit status, or None."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    flags = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if "jax" not in sys.modules:
+        os.environ.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+        return None
+    import jax
+
+    if jax.default_backend() == "cpu" and jax.device_count() >= n:
+        return None
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "maxlm.plan", *argv], env=env).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        cfg, degrees = resolve(args)
+        if args.aot:
+            _check_aot(cfg, degrees)
+            rc = _ensure_devices(math.prod(degrees.values()), argv)
+            if rc is not None:
+                return rc
+        validate(cfg, degrees)
+        result = plan(cfg, degrees, args.gpu, args.tokens, args.mfu, args.price_per_gpu_hour)
+        if args.aot:
+            result["aot"] = aot(cfg, degrees, args.aot_layers, args.aot_stock_xla)
+    except config.ConfigError as err:
+        print(f"maxlm.plan: config error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The planner: counts equal the real model's, FLOPs match published GPT-3 compute, per-device
+state bytes equal the real sharded arrays', suggestions really fit, and --aot compiles the real
+train_step with XLA's memory within 25% of the estimate."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_config
+from maxlm import config, metrics, model, optim, plan, plan_memory, sharding, step
+
+CONFIGS = sorted(p.name for p in config.CONFIG_DIR.glob("*.gin"))
+
+
+def planned(name, bindings=(), gpus=None, **kw):
+    args = plan.parse_args([f"--config={name}", *(f"--gin_bindings={b}" for b in bindings),
+                            *([f"--gpus={gpus}"] if gpus else [])])
+    cfg, degrees = plan.resolve(args)
+    plan.validate(cfg, degrees)
+    return cfg, degrees, plan.plan(cfg, degrees, **kw)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_params_and_flops_are_the_models(name):
+    cfg, _, result = planned(name)
+    real = jax.eval_shape(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(0))))
+    assert result["params"] == model.param_count(cfg.model) == sum(x.size for x in jax.tree.leaves(real))
+    assert result["flops_per_token"] == metrics.flops_per_token(cfg.model, cfg.train.seq_len)
+    assert set(result) == set(plan.JSON_KEYS)
+    assert all(key in plan.__doc__ for key in plan.JSON_KEYS), "every JSON key is documented"
+
+
+def test_gpt3_training_compute_matches_the_published_figure():
+    _, _, r = planned("gpt175b.gin", tokens=300e9)
+    assert r["model_flops_6nd"] == pytest.approx(3.14e23, rel=0.01)  # Brown et al. 2020, table D.1
+    # PaLM's attention term adds ~2.8% at sequence 2048 (12*96*96*128*2048 vs 6*174.6e9).
+    assert r["flops_with_attention"] / r["model_flops_6nd"] == pytest.approx(1.028, abs=0.003)
+    # The naive "6 x params x seq_len per sequence, x 2 for backward" would be 2x this.
+    assert r["flops_with_attention"] < 1.1 * 6 * r["params"] * r["tokens"]
+    # Time and cost follow from the FLOPs: GPU-seconds = FLOPs / (MFU x peak).
+    gpu_s = r["flops_with_attention"] / (r["mfu"] * r["peak_flops_per_gpu"])
+    assert r["gpu_hours"] == pytest.approx(gpu_s / 3600)
+    assert r["days"] == pytest.approx(gpu_s / r["gpus"] / 86400)
+    assert r["cost_usd"] == pytest.approx(r["gpu_hours"] * r["price_per_gpu_hour"])
+    assert r["fits"] and r["mesh"] == {"data": 1, "fsdp": 48, "tensor": 8, "pipeline": 1}
+
+
+@pytest.mark.parametrize("opt", ["adamw", "lion", "adafactor"])
+def test_state_bytes_equal_the_real_sharded_state(opt):
+    """Per-device parameter and optimizer bytes are those of the real TrainState on 8 devices."""
+    # Dimensions of 128 and more, so that Adafactor factors its second moments.
+    cfg = small_config(model=dict(d_model=128, d_ff=256), mesh=dict(data=1, fsdp=4, tensor=2),
+                       optim=dict(name=opt))
+    degrees = cfg.mesh.shape(8)
+    optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    mesh = sharding.make_mesh(degrees)
+    shardings = step.state_shardings(cfg, mesh, optimizer)
+    with jax.set_mesh(mesh):
+        state = step.init_state(cfg, optimizer, shardings)
+
+    def on_device0(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                   if s.device == jax.devices()[0])
+    est = plan_memory.state_bytes(cfg, degrees)
+    assert est["params"] == on_device0(state.params)
+    assert est["optimizer"] == on_device0(state.opt_state)
+    ratio = est["optimizer"] / est["params"]
+    assert {"adamw": 1.9 < ratio <= 2.01, "lion": 0.95 < ratio <= 1.01, "adafactor": ratio < 0.5}[opt]
+
+
+def test_memory_follows_mesh_remat_and_microbatches():
+    cfg, degrees, _ = planned("llama3_8b.gin", gpus=64)
+    base = plan_memory.memory(cfg, degrees)
+    wider = plan_memory.memory(cfg.replace(mesh={"data": 4, "fsdp": 16}), dict(degrees, data=4, fsdp=16))
+    assert wider["params"] == pytest.approx(base["params"] / 2, rel=0.01)  # fsdp shards the state
+    acts = {r: plan_memory.memory(cfg.replace(model={"remat": r}), degrees)["detail"]["saved_activations"]
+            for r in ("none", "save_dots", "save_named", "full")}
+    assert acts["none"] > acts["save_dots"] > acts["save_named"] > acts["full"]
+    micro = plan_memory.memory(cfg.replace(optim={"microbatches": 4}), degrees)
+    assert micro["detail"]["saved_activations"] * 2 == base["detail"]["saved_activations"]
+    flash = plan_memory.memory(cfg.replace(model={"attention_impl": "cudnn"}), degrees)
+    layer_bwd = "layer_backward_bytes_per_token"  # flash attention keeps no [heads, T, T] scores
+    assert flash["detail"][layer_bwd] < base["detail"][layer_bwd] / 10
+    assert flash["activations"] < base["activations"]
+
+
+def test_pipeline_is_planned_arithmetically():
+    cfg, degrees, r = planned("gpt175b.gin", ["MeshConfig.fsdp=12", "MeshConfig.pipeline=4"])
+    flat = plan_memory.state_bytes(*planned("gpt175b.gin")[:2])
+    piped = plan_memory.state_bytes(cfg, degrees)
+    # Matrices: 4 stages x 12 fsdp shards = 48, as before; per-layer vectors now split 4 ways too.
+    assert piped["layer_params"] == pytest.approx(flat["layer_params"], rel=0.02)
+    assert piped["layer_params"] < flat["layer_params"]
+    assert r["pipeline_bubble"] == pytest.approx(3 / 11)
+    assert any("pipeline = 4" in n for n in r["notes"])
+
+
+def test_a_config_that_does_not_fit_gets_a_suggestion_that_does():
+    _, _, r = planned("llama3_1b.gin")  # 131k tokens per device and 128k-vocab logits
+    assert not r["fits"] and r["warnings"]
+    best = r["suggestions"][0]
+    _, _, again = planned("llama3_1b.gin", best["bindings"], gpus=best["gpus"])
+    assert again["fits"] and again["memory"]["total"] == best["total_bytes"]
+
+
+BAD = [
+    (["--config=gpt175b.gin", "--gin_bindings=MeshConfig.pipeline=5", "--gin_bindings=MeshConfig.fsdp=6",
+      "--gpus=240"], "ModelConfig.n_layers = 96 is not divisible by MeshConfig.pipeline = 5"),
+    (["--config=gpt175b.gin", "--gpus=100"], "= 384, but 100 devices are present"),
+    (["--config=tiny.gin", "--gin_bindings=ModelConfig.n_head=3"], "doesn't have a parameter named 'n_head'"),
+    (["--config=gpt175b.gin", "--gin_bindings=MeshConfig.pipeline=4", "--gin_bindings=MeshConfig.fsdp=12",
+      "--aot"], "--aot compiles the real train_step, which has no pipeline yet"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=range(len(BAD)))
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_json_for_gpt175b_runs_in_seconds():
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "maxlm.plan", "--config=gpt175b.gin", "--tokens=300e9",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    elapsed = time.perf_counter() - start
+    r = json.loads(out)
+    assert set(r) == set(plan.JSON_KEYS)
+    assert r["model_flops_6nd"] == pytest.approx(3.14e23, rel=0.01)
+    assert elapsed < 60, f"planning took {elapsed:.0f} s"  # ~3 s on an idle machine
+
+
+def _aot_config(**model):
+    return small_config(model=dict(d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1536,
+                                   vocab_size=4096, max_seq_len=512, dtype="bfloat16", **model),
+                        mesh=dict(data=2, fsdp=2, tensor=2), train=dict(global_batch=16, seq_len=512))
+
+
+@pytest.mark.slow
+def test_aot_compiled_memory_is_within_25_percent():
+    cfg = _aot_config(remat="save_named")
+    a = plan.aot(cfg, cfg.mesh.shape(8))
+    assert a["devices"] == 8 and a["layers_compiled"] == [4]
+    assert a["argument_bytes"] == pytest.approx(a["estimate_state_bytes"], rel=0.01)
+    assert 0.75 <= a["ratio"] <= 1.25, a
+
+
+@pytest.mark.slow
+def test_aot_with_fewer_layers_scales_back_to_the_full_model():
+    cfg = _aot_config(remat="full").replace(model={"n_layers": 6})
+    full = plan.aot(cfg, cfg.mesh.shape(8))
+    assert 0.75 <= full["ratio"] <= 1.25, full
+    reduced = plan.aot(cfg, cfg.mesh.shape(8), layers=2)
+    assert reduced["layers_compiled"] == [2, 4] and reduced["extrapolated"]
+    assert any("compiled 2 and 4 of 6 layers" in n for n in reduced["notes"])
+    assert reduced["argument_bytes"] == pytest.approx(full["argument_bytes"], rel=0.01)
+    assert reduced["total_bytes"] == pytest.approx(full["total_bytes"], rel=0.15)
+
+
+@pytest.mark.slow
+def test_aot_cli_sets_up_more_fake_devices_than_this_process_has():
+    out = subprocess.run([sys.executable, "-m", "maxlm.plan", "--config=tiny.gin", "--gpus=16", "--aot",
+                          "--gin_bindings=TrainConfig.global_batch=16", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    a = json.loads(out)["aot"]
+    assert a["devices"] == 16 and a["total_bytes"] > 0
+    assert math.isfinite(a["ratio"]) and np.isclose(a["argument_bytes"], a["estimate_state_bytes"], rtol=0.01)
