@@ -183,21 +183,27 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
              f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {run_dir}")
 
         eval_losses, window, last_loss, rollbacks, preempted = [], [], float("nan"), 0, None
-        steps_run = redone = 0
+        steps_run = redone = timed = 0
 
-        def run_eval(at_step: int) -> None:
+        def run_eval(at_step: int) -> float:
+            """Evaluate; returns the seconds it took (not training throughput)."""
             jax.block_until_ready(state)  # finish pending steps first: their time is training's
+            start = time.perf_counter()
             with goodput.timed("eval"):
                 eval_loss = _evaluate(eval_step, state.params, eval_batches)
             eval_losses.append((at_step, eval_loss))
             recorder.log(at_step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))})
             _say(f"step {at_step}: eval loss {eval_loss:.4f}")
+            return time.perf_counter() - start
 
-        def save(at_step: int) -> None:
+        def save(at_step: int) -> float:
+            """Start a checkpoint; returns the seconds the loop was blocked."""
             jax.block_until_ready(state)
+            start = time.perf_counter()
             with goodput.timed("checkpoint"):
                 ckpt.save(at_step, state, batches.get_state(), cfg.to_dict(),
                           {"tokens_seen": at_step * tokens_per_step})
+            return time.perf_counter() - start
 
         if first == 0 and first < tc.steps:
             run_eval(0)  # the baseline the run is judged against
@@ -214,6 +220,7 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
             window.append(step_metrics)
             done += 1
             steps_run += 1
+            timed += steps_run > 1  # the first step's time is compilation, not throughput
             redone += done <= redo_until
             progress.update(1)
             if steps_run == 1:
@@ -225,13 +232,16 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
                 elapsed = max(time.perf_counter() - t_window, 1e-9)
                 last = fetched[-1]
                 last_loss = float(last["loss"])
-                tokens_per_s = len(fetched) * tokens_per_step / elapsed
                 logged = {"loss": last_loss, "perplexity": math.exp(min(last_loss, 50.0)),
                           "grad_norm": float(last["grad_norm"]), "lr": float(last["lr"]),
-                          "tokens_per_s": tokens_per_s, "step_time_s": elapsed / len(fetched),
-                          "mfu": tokens_per_s * flops_per_token / (peak * jax.device_count()),
                           "skipped": int(sum(int(m["skipped"]) for m in fetched)),
                           "loss_scale": float(last["loss_scale"])}
+                if timed:
+                    tokens_per_s = timed * tokens_per_step / elapsed
+                    logged.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / timed,
+                                  mfu=tokens_per_s * flops_per_token / (peak * jax.device_count()))
+                    progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                         mfu=f"{logged['mfu']:.1%}")
                 recorder.log(done, logged)
                 for offset, m in enumerate(fetched):
                     if int(m["skipped"]):
@@ -241,9 +251,7 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
                                        step_grad_norm=float(m["grad_norm"]))
                         _say(f"step {at}: skipped the update ({reason} loss {float(m['loss']):.4g}, "
                              f"grad norm {float(m['grad_norm']):.4g})")
-                progress.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                     mfu=f"{logged['mfu']:.1%}")
-                window, t_window = [], time.perf_counter()
+                window, timed, t_window = [], 0, time.perf_counter()
                 if tc.rollback_after and max(int(m["bad_streak"]) for m in fetched) >= tc.rollback_after:
                     rollbacks += 1
                     if rollbacks > MAX_ROLLBACKS:
@@ -269,13 +277,11 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
                     progress.refresh()
                     continue
             if done % tc.eval_every == 0 or done == tc.steps:
-                run_eval(done)
-                t_window = time.perf_counter()  # evaluation time is not training throughput
+                t_window += run_eval(done)  # evaluation time is not training throughput
             if preemption.requested(done):
                 preempted = preemption.signal_name or "preemption notice"
             if ckpt and (ckpt.due(done) or done == tc.steps or preempted):
-                save(done)
-                t_window = time.perf_counter()
+                t_window += save(done)
             if preempted:
                 break
         progress.close()
