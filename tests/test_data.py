@@ -1,4 +1,5 @@
-"""Data pipeline: tokenizer, sources, packing invariants, determinism, sharding and resumption."""
+"""Data pipeline on raw sources: byte tokenizer, file sources, packing invariants, determinism,
+process sharding, exact resumption and the held-out split. (More in tests/test_data_*.py.)"""
 
 import json
 import os
@@ -55,7 +56,7 @@ def test_tokenizer_round_trip():
 
 def test_get_tokenizer():
     assert isinstance(get_tokenizer("byte"), ByteTokenizer)
-    with pytest.raises(ValueError, match="'bpe'") as err:
+    with pytest.raises(ValueError, match="'bpe' is neither 'byte' nor an existing tokenizer.json") as err:
         get_tokenizer("bpe")
     assert "\n" not in str(err.value)
 
@@ -84,7 +85,7 @@ def test_glob_source(corpus, tmp_path, monkeypatch):
     assert len(held) == 1 and len(train) == 23
     missing = str(tmp_path / "nothing" / "*.txt")
     with pytest.raises(ValueError, match="matched no") as err:
-        sources.get_source(missing)
+        sources.get_source("files:" + missing)
     assert missing in str(err.value) and "\n" not in str(err.value)
 
 
@@ -93,6 +94,7 @@ def test_undecodable_file_is_read_not_fatal(tmp_path):
     (tmp_path / "good.txt").write_text("fine")
     files = sources.get_source(str(tmp_path / "*.txt"))
     assert files[0] == "caf\ufffd \ufffd\ufffd end"
+    assert files.read(0).replaced == 3
     batches = make_eval_batches(DataConfig(source=str(tmp_path / "*.txt")), seq_len=8,
                                 global_batch=2, num_batches=2)
     assert len(batches) == 2

@@ -1,105 +1,564 @@
-"""Document sources: the embedded stdlib corpus or a glob of text files, split train/eval by hash.
+"""Document sources: random access to raw documents, with every piece of bad input counted.
 
-A source lists file paths up front (cheap) and reads a file only when Grain asks for its index, so
-building a pipeline over thousands of files costs a directory walk, not a tokenisation pass.
+A source lists its documents up front (a directory walk; for JSONL a newline scan; for Parquet the
+footer metadata) and reads a document only when asked for its index, so Grain can shuffle and
+shard it. ``read(i)`` returns a ``Record`` that says what was wrong, if anything:
+
+    unreadable      the path could not be opened or read (vanished, permission, broken link, corrupt)
+    empty           nothing (or only whitespace) to read
+    binary          a NUL byte in the first 8 KiB: not text
+    oversized       longer than max_doc_bytes (a 100 MB line is counted here, never loaded whole)
+    malformed_json  a JSONL line that does not parse
+    missing_field   the JSONL field / Parquet column is absent, null or not a string
+and, not a reason to drop: ``replaced`` counts invalid UTF-8 bytes decoded as U+FFFD.
+
+``clean`` and ``prepare`` turn these into report counts. The training pipeline, which reads raw
+sources directly only for convenience, skips such documents and logs each kind with its count.
+Each source has a stable ``__repr__`` (relative paths and a digest), part of the data fingerprint
+stored with the iterator state.
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
+import json
+import logging
+import mmap
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from maxlm.data.spec import SourceSpec, parse_source
+
+log = logging.getLogger("maxlm.data")
 
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+DEFAULT_MAX_DOC_BYTES = 32 << 20
+DROP_KINDS = ("unreadable", "empty", "binary", "oversized", "malformed_json", "missing_field")
+_BINARY_SNIFF = 8192
+_U64 = np.uint64
 
 
-class TextFiles:
-    """Random-access documents (Grain's data-source protocol): item i is the text of file i."""
+class Problems:
+    """Counts of bad input by kind, with the first few places (path or path:line) of each."""
 
-    def __init__(self, spec: str, root: str, relpaths: Sequence[str]):
-        self.spec = spec
-        self.root = root
-        self.relpaths = tuple(relpaths)
+    def __init__(self, examples: int = 5, keep_all: bool = False):
+        self.counts: collections.Counter = collections.Counter()
+        self.examples: dict[str, list[str]] = {}
+        self._keep = examples
+        self.entries: list[tuple[str, str, int, str]] | None = [] if keep_all else None
+
+    def add(self, kind: str, where: str, n: int = 1, detail: str = "") -> None:
+        self.counts[kind] += n
+        if self.entries is not None:
+            self.entries.append((kind, where, n, detail))
+        shown = self.examples.setdefault(kind, [])
+        if len(shown) < self._keep:
+            shown.append(f"{where}: {detail}" if detail else where)
+
+    def merge(self, other: "Problems") -> None:
+        for kind, n in other.counts.items():
+            self.counts[kind] += n
+            shown = self.examples.setdefault(kind, [])
+            shown.extend(other.examples.get(kind, [])[: self._keep - len(shown)])
+
+    def to_dict(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())),
+                "examples": {k: v for k, v in sorted(self.examples.items()) if v}}
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+
+class Record:
+    """One document as read: text (None when dropped), the problem if any, and fixes made."""
+
+    __slots__ = ("id", "text", "problem", "detail", "replaced")
+
+    def __init__(self, id: str, text: str | None, problem: str | None = None, detail: str = "",
+                 replaced: int = 0):
+        self.id, self.text, self.problem, self.detail, self.replaced = id, text, problem, detail, replaced
+
+    def __repr__(self) -> str:
+        return f"Record({self.id!r}, problem={self.problem!r}, chars={len(self.text or '')})"
+
+
+def decode(data: bytes) -> tuple[str, int]:
+    """(text, invalid bytes replaced by U+FFFD)."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - data.count("\ufffd".encode())
+
+
+def looks_binary(data: bytes) -> bool:
+    return b"\x00" in data[:_BINARY_SNIFF]
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """A bijective 64-bit mixer (splitmix64 finaliser), vectorised."""
+    with np.errstate(over="ignore"):
+        x = (x + _U64(0x9E3779B97F4A7C15)).astype(_U64)
+        x = ((x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)).astype(_U64)
+        x = ((x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)).astype(_U64)
+        return x ^ (x >> _U64(31))
+
+
+def _path_key(relpath: str) -> int:
+    digest = hashlib.sha1(relpath.replace(os.sep, "/").encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+class _Warner:
+    """Training-time reads log each kind of bad input the first few times, then every 1000th."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def __call__(self, spec: str, rec: Record) -> None:
+        self.counts[rec.problem] += 1
+        n = self.counts[rec.problem]
+        if n <= 3 or n % 1000 == 0:
+            log.warning("maxlm.data: %s: skipped %s (%s%s); %d such document(s) so far in this process",
+                        spec, rec.id, rec.problem, f": {rec.detail}" if rec.detail else "", n)
+
+
+class DocSource:
+    """Base of the raw sources. Subclasses define __len__, read(i), keys() and __repr__."""
+
+    spec: str
+    problems: Problems  # found while listing (files that are never indexed)
+
+    def __init__(self):
+        self._warn = _Warner()
+
+    def __getitem__(self, index: int) -> str:
+        """The text for Grain; "" (skipped downstream, logged here) when the record is bad."""
+        rec = self.read(int(index))
+        if rec.problem:
+            self._warn(self.spec, rec)
+            return ""
+        return rec.text
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def read(self, index: int) -> Record:
+        raise NotImplementedError
+
+    def keys(self) -> np.ndarray:
+        """A stable uint64 per document, from its path (and line/row): the train/eval split key."""
+        raise NotImplementedError
+
+    def records(self) -> Iterator[Record]:
+        for i in range(len(self)):
+            yield self.read(i)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for key in [k for k in state if k.startswith("_open")]:
+            state[key] = None  # file handles stay in the process that opened them
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+class Subset:
+    """Documents ``indices`` of a source (a train or eval split), as a Grain data source."""
+
+    def __init__(self, source: DocSource, indices: np.ndarray, name: str):
+        self.source, self.indices, self.name = source, np.asarray(indices, dtype=np.int64), name
+        self.spec = source.spec
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> str:
+        return self.source[int(self.indices[index])]
+
+    def read(self, index: int) -> Record:
+        return self.source.read(int(self.indices[index]))
+
+    @property
+    def relpaths(self) -> tuple[str, ...]:
+        """For one-document-per-file sources: the files of this subset."""
+        return tuple(self.source.relpaths[i] for i in self.indices)
+
+    def __repr__(self) -> str:
+        digest = hashlib.sha1(self.indices.tobytes()).hexdigest()[:8]
+        return f"{self.source!r}[{self.name}: {len(self)} docs, {digest}]"
+
+
+class TextFiles(DocSource):
+    """One document per file (text or code). Empty, oversized and unreadable files are counted at
+    listing; binary files and invalid UTF-8 when read."""
+
+    def __init__(self, spec: str, root: str, relpaths: Sequence[str], problems: Problems | None = None,
+                 max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES):
+        super().__init__()
+        self.spec, self.root, self.relpaths = spec, root, tuple(relpaths)
+        self.pattern = _relative_pattern(spec, root)
+        self.problems = problems or Problems()
+        self.max_doc_bytes = max_doc_bytes
 
     def __len__(self) -> int:
         return len(self.relpaths)
 
-    def __getitem__(self, index: int) -> str:
-        path = os.path.join(self.root, self.relpaths[index])
+    def read(self, index: int) -> Record:
+        rel = self.relpaths[index]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:  # vanished or unreadable since listing: an empty document, not a crash
-            data = b""
-        return data.decode("utf-8", errors="replace")
+            with open(os.path.join(self.root, rel), "rb") as f:
+                data = f.read(self.max_doc_bytes + 1)
+        except OSError as err:  # vanished or unreadable since listing
+            return Record(rel, None, "unreadable", err.strerror or type(err).__name__)
+        if len(data) > self.max_doc_bytes:
+            return Record(rel, None, "oversized", f"> {self.max_doc_bytes} bytes")
+        if looks_binary(data):
+            return Record(rel, None, "binary")
+        text, replaced = decode(data)
+        if not text.strip():
+            return Record(rel, None, "empty")
+        return Record(rel, text, replaced=replaced)
 
-    def subset(self, relpaths: Sequence[str]) -> "TextFiles":
-        return TextFiles(self.spec, self.root, relpaths)
+    def keys(self) -> np.ndarray:
+        return np.array([_path_key(p) for p in self.relpaths], dtype=_U64)
 
     def __repr__(self) -> str:
         # Relative paths keep the repr (and so a checkpoint's validity) independent of install
         # location; the digest makes any change to the file list visible.
         digest = hashlib.sha1("\n".join(self.relpaths).encode()).hexdigest()[:12]
-        return f"TextFiles(spec={self.spec!r}, num_files={len(self)}, digest={digest})"
+        return f"TextFiles({self.pattern!r}, num_files={len(self)}, digest={digest})"
 
 
-def _readable_file(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.R_OK)
+def _relative_pattern(spec: str, root: str) -> str:
+    """What a repr shows of a spec: the glob below its fixed root ("**/*.txt"), so the identity of
+    a source does not change when its corpus moves to another directory or machine."""
+    if spec == "stdlib":
+        return "stdlib"
+    parsed = parse_source(spec)
+    expanded = os.path.expanduser(parsed.path)
+    rel = os.path.relpath(expanded, root) if root not in (".", "") else expanded
+    return f"{parsed.kind}:{rel}"
 
 
-def stdlib_files() -> TextFiles:
-    """The running interpreter's standard library: its .py and text files, no third-party code."""
-    root = sysconfig.get_paths()["stdlib"]
-    relpaths = []
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in EXCLUDED_DIRS]
-        for name in files:
-            path = os.path.join(directory, name)
-            if name.endswith(TEXT_SUFFIXES) and _readable_file(path):
-                relpaths.append(os.path.relpath(path, root))
-    if not relpaths:
-        raise ValueError(f"DataConfig.source = 'stdlib': no text files found under {root}")
-    return TextFiles("stdlib", root, sorted(relpaths))
-
-
-def glob_files(pattern: str) -> TextFiles:
-    """Files matching a glob (`**` recurses, `~` expands); relative paths are taken from the
-    pattern's longest wildcard-free directory, so the split does not depend on where data lives."""
-    expanded = os.path.expanduser(pattern)
-    paths = sorted(p for p in glob.glob(expanded, recursive=True) if _readable_file(p))
-    if not paths:
-        raise ValueError(f"DataConfig.source = {pattern!r} matched no readable files "
-                         "(give a glob of files, e.g. 'corpus/**/*.txt')")
+def _list_files(spec: SourceSpec, max_doc_bytes: int) -> tuple[str, list[str], Problems]:
+    """(root, sorted relative paths of files worth reading, listing problems) for a glob."""
+    expanded = os.path.expanduser(spec.path)
     parts = expanded.split(os.sep)
     fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
     root = os.sep.join(parts[:fixed]) or (os.sep if expanded.startswith(os.sep) else ".")
-    return TextFiles(pattern, root, [os.path.relpath(p, root) for p in paths])
+    problems = Problems(keep_all=True)
+    kept = []
+    for path in sorted(glob.glob(expanded, recursive=True)):
+        rel = os.path.relpath(path, root)
+        try:
+            st = os.stat(path)
+        except OSError as err:  # a broken symlink, a path that vanished, a loop
+            problems.add("unreadable", rel, detail=err.strerror or type(err).__name__)
+            continue
+        if os.path.isdir(path):
+            continue  # a directory matched by '**' is not a document
+        if not os.access(path, os.R_OK):
+            problems.add("unreadable", rel, detail="permission denied")
+        elif st.st_size == 0:
+            problems.add("empty", rel)
+        elif spec.kind == "files" and st.st_size > max_doc_bytes:
+            problems.add("oversized", rel, detail=f"{st.st_size} bytes > {max_doc_bytes}")
+        else:
+            kept.append(path)
+    if not kept:
+        found = sum(problems.counts.values())
+        why = f" ({found} matched but none is usable: {dict(problems.counts)})" if found else ""
+        raise ValueError(f"DataConfig.source = {spec.text!r} matched no readable files{why} "
+                         "(give a glob of files, e.g. 'files:corpus/**/*.txt')")
+    return root, [os.path.relpath(p, root) for p in kept], problems
 
 
-def get_source(spec: str) -> TextFiles:
-    return stdlib_files() if spec == "stdlib" else glob_files(spec)
+def stdlib_files(max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> TextFiles:
+    """The running interpreter's standard library: its .py and text files, no third-party code."""
+    root = sysconfig.get_paths()["stdlib"]
+    relpaths, problems = [], Problems(keep_all=True)
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS)
+        for name in files:
+            path = os.path.join(directory, name)
+            if not name.endswith(TEXT_SUFFIXES):
+                continue
+            if not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                problems.add("unreadable", os.path.relpath(path, root))
+            elif os.path.getsize(path) == 0:
+                problems.add("empty", os.path.relpath(path, root))
+            else:
+                relpaths.append(os.path.relpath(path, root))
+    if not relpaths:
+        raise ValueError(f"DataConfig.source = 'stdlib': no text files found under {root}")
+    return TextFiles("stdlib", root, sorted(relpaths), problems, max_doc_bytes)
 
 
-def _unit_hash(relpath: str) -> float:
-    """A stable number in [0, 1) per document (Python's hash() is salted per process)."""
-    digest = hashlib.sha1(relpath.replace(os.sep, "/").encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+def glob_files(pattern: str, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> TextFiles:
+    spec = parse_source(pattern)
+    if spec.kind != "files":
+        spec = SourceSpec("files", pattern, text=pattern)
+    root, relpaths, problems = _list_files(spec, max_doc_bytes)
+    return TextFiles(spec.text, root, relpaths, problems, max_doc_bytes)
 
 
-def split(files: TextFiles, eval_fraction: float) -> tuple[TextFiles, TextFiles]:
-    """(train, eval): a document is held out when its path hashes below eval_fraction, so adding
-    files never moves an existing document between splits. Each split gets at least one file."""
+class _Handles:
+    """A small per-process cache of open file descriptors (closed least recently used first)."""
+
+    def __init__(self, limit: int = 64):
+        self.limit, self.fds = limit, collections.OrderedDict()
+
+    def pread(self, path: str, length: int, offset: int) -> bytes:
+        fd = self.fds.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            while len(self.fds) >= self.limit:
+                os.close(self.fds.popitem(last=False)[1])
+        self.fds[path] = fd
+        return os.pread(fd, length, offset)
+
+    def __del__(self):
+        try:
+            for fd in self.fds.values():
+                os.close(fd)
+        except Exception:  # at interpreter exit os may already be gone
+            pass
+
+
+def _get_field(obj, field: str):
+    for part in field.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+class JsonlFiles(DocSource):
+    """One document per line of JSON Lines files, its text in ``field``. Lines are located by a
+    newline scan (memory-mapped, so a 100 MB line costs a scan, not a load); blank lines are not
+    documents and are counted as ``blank_lines``."""
+
+    def __init__(self, spec: SourceSpec, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES):
+        super().__init__()
+        self.spec, self.field, self.max_doc_bytes = spec.text, spec.field, max_doc_bytes
+        self.root, self.relpaths, self.problems = _list_files(spec, max_doc_bytes)
+        starts, lengths, lines, counts = [], [], [], []
+        for rel in list(self.relpaths):
+            try:
+                s, n, no = self._scan(os.path.join(self.root, rel))
+            except OSError as err:
+                self.problems.add("unreadable", rel, detail=err.strerror or type(err).__name__)
+                s = n = no = np.zeros(0, np.int64)
+            starts.append(s), lengths.append(n), lines.append(no), counts.append(len(s))
+        self.starts = np.concatenate(starts)
+        self.lengths = np.concatenate(lengths)
+        self.line_numbers = np.concatenate(lines).astype(np.int64)  # 1-based, for messages
+        self.ends = np.cumsum(counts)  # documents in files [0..k]
+        self._open_handles = None
+
+    def _scan(self, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                buf = np.frombuffer(mm, dtype=np.uint8)
+                newlines = np.flatnonzero(buf == 10)
+                del buf
+        starts = np.concatenate([[0], newlines + 1])
+        ends = np.concatenate([newlines, [size]])
+        lengths = ends - starts
+        numbers = np.arange(1, len(starts) + 1)
+        # Blank lines (and a final newline's empty tail) are layout, not records. "\r" alone too.
+        blank = lengths <= 1
+        if blank.any():
+            short = np.flatnonzero(blank & (lengths == 1))
+            if short.size:
+                with open(path, "rb") as f:
+                    for i in short:
+                        f.seek(starts[i])
+                        if f.read(1) not in (b"\r", b" ", b"\t"):
+                            blank[i] = False
+        counted = int(blank.sum()) - (1 if lengths[-1] == 0 else 0)  # the trailing newline is not a line
+        if counted > 0:
+            self.problems.add("blank_lines", os.path.relpath(path, self.root), n=counted)
+        keep = ~blank
+        return starts[keep].astype(np.int64), lengths[keep].astype(np.int64), numbers[keep]
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def _locate(self, index: int) -> tuple[str, str]:
+        file_index = int(np.searchsorted(self.ends, index, side="right"))
+        rel = self.relpaths[file_index]
+        return rel, f"{rel}:{int(self.line_numbers[index])}"
+
+    def read(self, index: int) -> Record:
+        rel, where = self._locate(index)
+        length = int(self.lengths[index])
+        if length > self.max_doc_bytes:
+            return Record(where, None, "oversized", f"{length} bytes > {self.max_doc_bytes}")
+        if self._open_handles is None:
+            self._open_handles = _Handles()
+        try:
+            data = self._open_handles.pread(os.path.join(self.root, rel), length, int(self.starts[index]))
+        except OSError as err:
+            return Record(where, None, "unreadable", err.strerror or type(err).__name__)
+        text, replaced = decode(data)
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            return Record(where, None, "malformed_json", err.msg)
+        value = _get_field(obj, self.field)
+        if not isinstance(value, str):
+            got = "absent" if value is None else type(value).__name__
+            return Record(where, None, "missing_field", f"{self.field!r} is {got}")
+        if not value.strip():
+            return Record(where, None, "empty")
+        return Record(where, value, replaced=replaced)
+
+    def keys(self) -> np.ndarray:
+        per_file = np.array([_path_key(p) for p in self.relpaths], dtype=_U64)
+        file_of = np.searchsorted(self.ends, np.arange(len(self)), side="right")
+        with np.errstate(over="ignore"):
+            return _splitmix(per_file[file_of] ^ _splitmix(self.line_numbers.astype(_U64)))
+
+    def __repr__(self) -> str:
+        h = hashlib.sha1("\n".join(self.relpaths).encode())
+        h.update(self.lengths.tobytes())
+        return (f"JsonlFiles({_relative_pattern(self.spec, self.root)!r}, field={self.field!r}, "
+                f"num_files={len(self.relpaths)}, "
+                f"num_docs={len(self)}, digest={h.hexdigest()[:12]})")
+
+
+class ParquetFiles(DocSource):
+    """One document per row of Parquet files, its text in ``field`` (a string column). Row groups
+    are read whole and the last few kept per process, so sequential reading is fast."""
+
+    def __init__(self, spec: SourceSpec, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES):
+        import pyarrow.parquet as pq
+
+        super().__init__()
+        self.spec, self.field, self.max_doc_bytes = spec.text, spec.field, max_doc_bytes
+        self.root, relpaths, self.problems = _list_files(spec, max_doc_bytes)
+        self.relpaths, groups = [], []  # groups: (file index, row group, rows, first row in file)
+        for rel in relpaths:
+            try:
+                meta = pq.ParquetFile(os.path.join(self.root, rel))
+            except Exception as err:  # pyarrow raises ArrowInvalid/OSError for corrupt files
+                self.problems.add("unreadable", rel, detail=" ".join(str(err).split())[:200])
+                continue
+            if self.field not in meta.schema_arrow.names:
+                self.problems.add("missing_field", rel, n=meta.metadata.num_rows,
+                                  detail=f"no column {self.field!r} (has {meta.schema_arrow.names[:8]})")
+                continue
+            offset = 0
+            for g in range(meta.num_row_groups):
+                rows = meta.metadata.row_group(g).num_rows
+                groups.append((len(self.relpaths), g, rows, offset))
+                offset += rows
+            self.relpaths.append(rel)
+        self.groups = np.array(groups, dtype=np.int64).reshape(-1, 4)
+        self.ends = np.cumsum(self.groups[:, 2]) if len(groups) else np.zeros(0, np.int64)
+        self._open_cache = None
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def _group(self, g: int) -> list:
+        import pyarrow.parquet as pq
+
+        if self._open_cache is None:
+            self._open_cache = collections.OrderedDict()
+        if g in self._open_cache:
+            self._open_cache.move_to_end(g)
+            return self._open_cache[g]
+        file_index, group = self.groups[g, 0], self.groups[g, 1]
+        path = os.path.join(self.root, self.relpaths[file_index])
+        column = pq.ParquetFile(path).read_row_group(int(group), columns=[self.field]).column(0)
+        values = column.to_pylist()
+        self._open_cache[g] = values
+        while len(self._open_cache) > 4:
+            self._open_cache.popitem(last=False)
+        return values
+
+    def read(self, index: int) -> Record:
+        g = int(np.searchsorted(self.ends, index, side="right"))
+        first = int(self.ends[g] - self.groups[g, 2])
+        where = f"{self.relpaths[self.groups[g, 0]]}:row{int(self.groups[g, 3]) + index - first}"
+        try:
+            value = self._group(g)[index - first]
+        except Exception as err:
+            return Record(where, None, "unreadable", " ".join(str(err).split())[:200])
+        replaced = 0
+        if isinstance(value, bytes):
+            value, replaced = decode(value)
+        if not isinstance(value, str):
+            got = "null" if value is None else type(value).__name__
+            return Record(where, None, "missing_field", f"{self.field!r} is {got}")
+        if len(value) > self.max_doc_bytes and len(value.encode("utf-8")) > self.max_doc_bytes:
+            return Record(where, None, "oversized", f"> {self.max_doc_bytes} bytes")
+        if not value.strip():
+            return Record(where, None, "empty")
+        return Record(where, value, replaced=replaced)
+
+    def keys(self) -> np.ndarray:
+        per_file = np.array([_path_key(p) for p in self.relpaths], dtype=_U64)
+        rows = np.arange(len(self))
+        g = np.searchsorted(self.ends, rows, side="right")
+        in_file = rows - (self.ends[g] - self.groups[g, 2]) + self.groups[g, 3]
+        with np.errstate(over="ignore"):
+            return _splitmix(per_file[self.groups[g, 0]] ^ _splitmix(in_file.astype(_U64)))
+
+    def __repr__(self) -> str:
+        h = hashlib.sha1("\n".join(self.relpaths).encode())
+        h.update(self.groups.tobytes())
+        return (f"ParquetFiles({_relative_pattern(self.spec, self.root)!r}, column={self.field!r}, "
+                f"num_files={len(self.relpaths)}, "
+                f"num_docs={len(self)}, digest={h.hexdigest()[:12]})")
+
+
+def open_source(spec: str | SourceSpec, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> DocSource:
+    """A raw document source for a spec (``packed:`` sources are opened by maxlm.data.prepare)."""
+    spec = parse_source(spec) if isinstance(spec, str) else spec
+    if spec.kind == "stdlib":
+        return stdlib_files(max_doc_bytes)
+    if spec.kind == "files":
+        root, relpaths, problems = _list_files(spec, max_doc_bytes)
+        return TextFiles(spec.text, root, relpaths, problems, max_doc_bytes)
+    if spec.kind == "jsonl":
+        return JsonlFiles(spec, max_doc_bytes)
+    if spec.kind == "parquet":
+        return ParquetFiles(spec, max_doc_bytes)
+    raise ValueError(f"source {spec.text!r} holds packed rows, not documents: it trains as is "
+                     "(use a raw source for clean, train-tokenizer and prepare)")
+
+
+def get_source(spec: str, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> DocSource:
+    return open_source(spec, max_doc_bytes)
+
+
+def split(source: DocSource, eval_fraction: float) -> tuple[Subset, Subset]:
+    """(train, eval): a document is held out when its id hashes below eval_fraction, so adding
+    documents never moves an existing one between splits. Each split gets at least one document."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"DataConfig.eval_fraction = {eval_fraction} must lie in [0, 1)")
-    if len(files) < 2:
-        raise ValueError(f"DataConfig.source = {files.spec!r} has {len(files)} file(s); "
+    n = len(source)
+    if n < 2:
+        raise ValueError(f"DataConfig.source = {source.spec!r} has {n} document(s); "
                          "at least 2 are needed to hold one out for evaluation")
-    ranked = sorted(files.relpaths, key=_unit_hash)
-    held = sum(_unit_hash(p) < eval_fraction for p in ranked)
-    held = min(max(held, 1), len(ranked) - 1)
-    held_set = set(ranked[:held])
-    train = [p for p in files.relpaths if p not in held_set]
-    return files.subset(train), files.subset(sorted(held_set))
+    keys = source.keys()
+    order = np.argsort(keys, kind="stable")
+    held = int(np.sum(keys.astype(np.float64) / 2.0**64 < eval_fraction))
+    held = min(max(held, 1), n - 1)
+    mask = np.zeros(n, dtype=bool)
+    mask[order[:held]] = True
+    return Subset(source, np.flatnonzero(~mask), "train"), Subset(source, np.flatnonzero(mask), "eval")
