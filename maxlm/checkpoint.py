@@ -3,7 +3,7 @@
 Layout of a run directory::
 
     RUN_DIR/checkpoints/<step>/state/        TrainState arrays (OCDBT/tensorstore; restores onto any mesh)
-    RUN_DIR/checkpoints/<step>/data/         data-iterator state (JSON)
+    RUN_DIR/checkpoints/<step>/data/         data-iterator state, one JSON file per process
     RUN_DIR/checkpoints/<step>/config/       the operative config (JSON)
     RUN_DIR/checkpoints/<step>/manifest.json step, tokens seen, config hash, sha256 of every file
     RUN_DIR/checkpoints_rejected/<step>-<reason>/   checkpoints that failed verification, kept aside
@@ -19,6 +19,7 @@ Parameters alone (``save_params``/``restore_params``) use the same array format 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,47 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked (the message is one line for the user)."""
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+    """Each process's data-iterator state in its own file: processes read different shards and
+    stand at different positions, so one process's state cannot stand for all (as in Grain's)."""
+
+    @staticmethod
+    def _file(directory) -> Path:
+        return Path(directory) / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+    def save(self, directory, args: "DataStateSave") -> None:
+        self._file(directory).write_text(json.dumps(args.state))
+
+    def restore(self, directory, args: "DataStateRestore | None" = None) -> dict:
+        path = self._file(directory)
+        if not path.exists():
+            saved = sorted(p.name for p in Path(directory).glob("process_*.json"))
+            raise CheckpointError(f"{path} is missing: the data state was saved by {saved} "
+                                  f"(another process count?)")
+        return json.loads(path.read_text())
+
+    def metadata(self, directory) -> None:
+        return None
+
+    def finalize(self, directory) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: dict
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -84,7 +126,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_to_keep, keep_period=cfg.keep_every_steps or None,
             enable_async_checkpointing=cfg.async_save, create=True)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler(),
                     "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._finisher: threading.Thread | None = None
@@ -104,7 +146,7 @@ class Checkpointer:
         the background and a finisher thread then hashes the files and writes the manifest."""
         self._join_finisher()
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=ocp.args.JsonSave(data_state or {}),
+                                  data=DataStateSave(data_state or {}),
                                   config=ocp.args.JsonSave(config))
         try:
             self.manager.save(step, args=args, force=True)
@@ -213,7 +255,7 @@ class Checkpointer:
         """(state placed with ``shardings``, data-iterator state, manifest) of checkpoint ``step``."""
         self.check_matches(step, abstract_state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(abstract_state, shardings)),
-                                  data=ocp.args.JsonRestore())
+                                  data=DataStateRestore())
         restored = self.manager.restore(step, args=args)
         manifest_path = self.directory / str(step) / MANIFEST
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}

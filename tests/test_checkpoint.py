@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -176,5 +177,7 @@ def test_save_is_due_by_steps_or_minutes(tmp_path):
     cfg = config.CheckpointConfig(every_steps=10, every_minutes=0.0)
     ckpt = checkpoint.Checkpointer(tmp_path, cfg)
     assert ckpt.due(10) and not ckpt.due(11)
-    timed = checkpoint.Checkpointer(tmp_path, config.CheckpointConfig(every_steps=0, every_minutes=1e-6))
+    timed = checkpoint.Checkpointer(tmp_path, config.CheckpointConfig(every_steps=0, every_minutes=1e-4))
+    assert not timed.due(11)
+    time.sleep(0.01)  # 6 ms is the interval
     assert timed.due(11)
