@@ -54,6 +54,13 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots | save_named
     attention_impl: str = "xla"  # xla | cudnn | pallas
+    # Pipeline parallelism (used when MeshConfig.pipeline > 1; see maxlm/pipeline.py). The batch each
+    # step (or optimizer microbatch) feeds the model is split into this many pipeline microbatches;
+    # the bubble is (pipeline - 1) / (repeats * microbatches + pipeline - 1).
+    pipeline_microbatches: int = 1
+    # Circular (interleaved) pipeline: each stage holds this many chunks of layers, assigned round-robin,
+    # and a microbatch goes round the stages this many times. n_layers must divide by pipeline * repeats.
+    pipeline_repeats: int = 1
 
     @property
     def kv_heads(self) -> int:
@@ -135,6 +142,9 @@ class DataConfig:
     prefetch: int = 2  # batches prepared ahead (per worker, or by one thread when worker_count = 0)
     max_doc_bytes: int = 33554432  # raw sources: longer documents are skipped and counted (32 MiB)
     read_threads: int = 8  # threads that read and tokenise raw documents (per worker)
+    # Logical data shards, each read by one process; 0 means one per process. Fix it (e.g. to the
+    # most processes the job will use) and the global batch no longer depends on the process count.
+    shards: int = 0
 
 
 @gin.configurable
@@ -295,7 +305,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 "ModelConfig.vocab_size": m.vocab_size, "ModelConfig.vocab_multiple": m.vocab_multiple,
                 "TrainConfig.steps": t.steps, "TrainConfig.global_batch": t.global_batch,
                 "TrainConfig.seq_len": t.seq_len, "OptimConfig.microbatches": o.microbatches,
-                "OptimConfig.learning_rate": o.learning_rate}
+                "OptimConfig.learning_rate": o.learning_rate,
+                "ModelConfig.pipeline_microbatches": m.pipeline_microbatches,
+                "ModelConfig.pipeline_repeats": m.pipeline_repeats}
     for field, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{src}: {field} must be positive, got {value}")
@@ -312,6 +324,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           f"ModelConfig.max_seq_len = {m.max_seq_len}")
     if o.warmup_steps < 0:
         raise ConfigError(f"{src}: OptimConfig.warmup_steps must be >= 0, got {o.warmup_steps}")
+    from maxlm.data.spec import check_config, check_vocab  # late: maxlm.data imports this module
+
+    try:
+        check_config(cfg.data)
+        check_vocab(cfg.data, m.vocab_size)
+    except ValueError as err:
+        raise ConfigError(f"{src}: {err}") from None
     ck = cfg.checkpoint
     if ck.every_steps < 0 or ck.every_minutes < 0 or ck.max_to_keep < 1 or ck.keep_every_steps < 0:
         raise ConfigError(f"{src}: CheckpointConfig needs every_steps >= 0, every_minutes >= 0, "
@@ -337,9 +356,19 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         degrees = cfg.mesh.shape(num_devices)
     except ConfigError as err:
         raise ConfigError(f"{src}: {err}") from None
-    if degrees["pipeline"] > 1:
-        raise ConfigError(f"{src}: MeshConfig.pipeline = {degrees['pipeline']} is not supported yet "
-                          "(pipeline parallelism arrives with the scale-out issue); fold it into fsdp")
+    pipe = degrees["pipeline"]
+    if pipe > 1 and m.n_layers % (pipe * m.pipeline_repeats):
+        raise ConfigError(f"{src}: ModelConfig.n_layers = {m.n_layers} is not divisible by MeshConfig.pipeline"
+                          f" * ModelConfig.pipeline_repeats = {pipe}*{m.pipeline_repeats} = "
+                          f"{pipe * m.pipeline_repeats}")
+    split = degrees["data"] * degrees["fsdp"] * o.microbatches  # (the batch check below names a misfit)
+    rows = t.global_batch // split  # what one data*fsdp shard feeds the model per optimizer microbatch
+    if pipe > 1 and t.global_batch % split == 0 and rows % m.pipeline_microbatches:
+        raise ConfigError(
+            f"{src}: ModelConfig.pipeline_microbatches = {m.pipeline_microbatches} does not divide the rows "
+            f"per data*fsdp shard and optimizer microbatch, TrainConfig.global_batch / (data*fsdp*"
+            f"OptimConfig.microbatches) = {t.global_batch}/({degrees['data']}*{degrees['fsdp']}*"
+            f"{o.microbatches}) = {rows}")
     tp = degrees["tensor"]
     checks = [("ModelConfig.n_heads", m.n_heads), ("ModelConfig.n_kv_heads", m.kv_heads),
               ("ModelConfig.d_ff", m.d_ff), ("ModelConfig.padded_vocab", m.padded_vocab)]
@@ -355,6 +384,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible by "
             f"data*fsdp*microbatches = {degrees['data']}*{degrees['fsdp']}*{o.microbatches} "
             f"= {batch_shards * o.microbatches}")
+    if cfg.data.shards and (cfg.data.shards % jax.process_count() or t.global_batch % cfg.data.shards):
+        raise ConfigError(f"{src}: DataConfig.shards = {cfg.data.shards} must be a multiple of the process "
+                          f"count {jax.process_count()} and divide TrainConfig.global_batch = {t.global_batch}")
     if t.global_batch % jax.process_count():
         raise ConfigError(f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible "
                           f"by the process count {jax.process_count()}")

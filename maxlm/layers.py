@@ -45,9 +45,16 @@ class Proj(nn.Module):
         init = nn.initializers.normal(self.std if self.std is not None else cfg.init_std)
         kernel = _param(self, "kernel", self.in_shape + self.out_shape,
                         self.in_names + self.out_names, init)
+        # One 2-D matmul [tokens, in] · [in, out]: flattening the leading (batch, length) and the
+        # multi-axis in/out dims is free (row-major bitcasts) and keeps autodiff's weight gradient
+        # a plain [in, tokens] · [tokens, out] dot. With the dims left unflattened, XLA:CPU
+        # canonicalises that gradient by materialising a transposed copy of the output gradient,
+        # which cost more than the matmuls themselves (scripts/README.md).
         n_in = len(self.in_shape)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (contract, ((), ())))
+        lead = x.shape[:x.ndim - n_in]
+        y = jnp.dot(x.reshape(-1, math.prod(self.in_shape)).astype(dtype),
+                    kernel.reshape(math.prod(self.in_shape), -1).astype(dtype))
+        y = y.reshape(*lead, *self.out_shape)
         if cfg.use_bias:
             bias = _param(self, "bias", self.out_shape, self.bias_names or self.out_names,
                           nn.initializers.zeros)
@@ -126,6 +133,14 @@ class Attention(nn.Module):
         return checkpoint_name(out, "o_proj")
 
 
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return nn.silu(gate) * up
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    return nn.gelu(x, approximate=True)
+
+
 class Mlp(nn.Module):
     cfg: ModelConfig
 
@@ -138,10 +153,13 @@ class Mlp(nn.Module):
             y = Proj(cfg, (d,), (f,), ("embed",), ("mlp",), name=name)(x)
             return constrain(y, ("batch", "length", "mlp"))
 
+        # The activation is recomputed in the backward pass from its inputs (jax.checkpoint):
+        # autodiff would otherwise keep sigmoid/tanh, the activation and the product of every layer,
+        # [batch, length, d_ff] each, and storing them costs more than recomputing them on CPU.
         if cfg.activation == "swiglu":
-            hidden = nn.silu(up("gate_proj")) * up("up_proj")
+            hidden = jax.checkpoint(_swiglu)(up("gate_proj"), up("up_proj"))
         else:
-            hidden = nn.gelu(up("up_proj"), approximate=True)
+            hidden = jax.checkpoint(_gelu)(up("up_proj"))
         hidden = checkpoint_name(hidden, "mlp_hidden")
         return Proj(cfg, (f,), (d,), ("mlp",), ("embed",), bias_names=("act_embed",),
                     std=cfg.init_std / math.sqrt(2 * cfg.n_layers), name="down_proj")(hidden)

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxlm import pipeline
 from maxlm.config import ModelConfig
 from maxlm.layers import DTYPES, Block, Norm, Proj, _param
 from maxlm.sharding import constrain
@@ -51,14 +52,21 @@ class Transformer(nn.Module):
         block = Block
         if cfg.remat != "none":
             block = nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
-                        metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = stack(cfg, name="layers")(x, segment_ids, positions)
+        if pipeline.degree() > 1 and not self.is_initializing():
+            # The same stacked params, executed as a pipeline over the mesh's `pipeline` axis.
+            x = pipeline.run(block, cfg, self.variables["params"]["layers"], x, segment_ids, positions)
+        else:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(cfg, name="layers")(x, segment_ids, positions)
         x = Norm(cfg, name="final_norm")(x)
 
         if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, table.astype(x.dtype))
+            # A 2-D matmul, as in Proj, so the table's gradient needs no transposed copy of the
+            # logits' gradient.
+            logits = jnp.dot(x.reshape(-1, cfg.d_model), table.astype(x.dtype).T)
+            logits = logits.reshape(*x.shape[:-1], cfg.padded_vocab)
         else:
             logits = Proj(cfg, (cfg.d_model,), (cfg.padded_vocab,),
                           ("embed",), ("vocab",), name="lm_head")(x)

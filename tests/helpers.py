@@ -47,3 +47,38 @@ def train_losses(cfg, devices, steps=5, seed=0, batches=None):
             state, metrics = train_step(state, step.device_batch(batch, mesh))
             losses.append(float(metrics["loss"]))
     return np.array(losses), state
+
+
+
+# Halves XLA:CPU compile times by skipping LLVM's optimisations; the HLO (partitioning,
+# collectives) is unchanged. For tests that compare numbers, not speed.
+QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def loss_and_grads(cfg, devices, params=None, seed=0, compiler_options=None):
+    """Mean loss and its gradients (numpy) on one fixed batch, on a mesh over `devices`, plus the
+    compiled HLO text of the loss-and-gradient computation. `params` (host arrays, e.g. another
+    run's) are placed by the config's shardings; without them the model is initialised here.
+    `compiler_options` go to XLA (e.g. QUICK_COMPILE)."""
+    import flax.linen as nn
+
+    mesh = sharding.make_mesh(cfg.mesh.shape(len(devices)), devices)
+    fixed = random_batch(np.random.default_rng(seed), cfg.train.global_batch, cfg.train.seq_len)
+    param_sh = sharding.mesh_shardings(step.param_names(cfg), mesh)
+    batch_sh = {k: sharding.batch_sharding(mesh) for k in step.BATCH_KEYS}
+
+    def mean_loss(params, batch):
+        loss_sum, weight = step.loss_and_weight(cfg, params, batch)
+        return loss_sum / weight
+
+    with jax.set_mesh(mesh):
+        if params is None:
+            params = jax.jit(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(cfg.train.seed))),
+                             out_shardings=param_sh)()
+        else:
+            params = jax.device_put(params, param_sh)
+        batch = step.device_batch(fixed, mesh)
+        compiled = jax.jit(jax.value_and_grad(mean_loss), in_shardings=(param_sh, batch_sh)).lower(
+            params, batch).compile(compiler_options)
+        loss, grads = compiled(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()

@@ -114,15 +114,16 @@ def test_dynamic_loss_scale():
 
 
 def test_finite_step_is_applied():
-    cfg = small_config(num_devices=1, mesh=dict(data=1))
+    cfg = small_config(num_devices=1, mesh=dict(data=1), optim=dict(warmup_steps=0))  # lr > 0 at step 0
     before, after, m = _one_step(cfg, random_batch(np.random.default_rng(0)))
     assert int(m["skipped"]) == 0 and np.isfinite(m["loss"])
     assert not np.array_equal(before.params["embed"], after.params["embed"])
 
 
-@pytest.mark.parametrize("name", ["adafactor", "lion"])
-def test_other_optimizers_learn_sharded(name):
-    cfg = small_config(mesh=dict(data=2, fsdp=2, tensor=2), optim=dict(name=name, learning_rate=3e-3))
+@pytest.mark.parametrize("name,lr", [("adafactor", 3e-2), ("lion", 3e-3)])
+def test_other_optimizers_learn_sharded(name, lr):
+    # Adafactor scales its steps by each parameter's RMS (0.02 at init): it takes a larger rate.
+    cfg = small_config(mesh=dict(data=2, fsdp=2, tensor=2), optim=dict(name=name, learning_rate=lr))
     losses, _ = train_losses(cfg, jax.devices(), steps=6)
     assert losses[-1] < losses[0] - 0.05
 

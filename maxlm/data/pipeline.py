@@ -332,10 +332,64 @@ class DataIterator:
             close()
 
 
+class ShardGroup:
+    """Several logical data shards read by one process, their rows side by side in each batch."""
+
+    def __init__(self, iterators: list[DataIterator]):
+        self.iterators = iterators
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batches = [next(it) for it in self.iterators]
+        return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+    def get_state(self) -> dict:
+        return {"shards": [it.get_state() for it in self.iterators]}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("shards") if isinstance(state, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.iterators):
+            count = len(saved) if isinstance(saved, list) else 1
+            raise DataStateMismatch(f"data state holds {count} shard(s) for this process; this run reads "
+                                    f"{len(self.iterators)} (DataConfig.shards or the process count changed)")
+        for it, shard_state in zip(self.iterators, saved):
+            it.set_state(shard_state)
+
+    def close(self) -> None:
+        for it in self.iterators:
+            it.close()
+
+
+def _owned_shards(data_cfg: DataConfig, process_index: int, process_count: int) -> tuple[range, int]:
+    """The logical shards this process reads, and how many there are in all."""
+    shards = data_cfg.shards or process_count
+    if shards % process_count:
+        raise ValueError(f"DataConfig.shards = {shards} is not divisible by the process count {process_count}")
+    per = shards // process_count
+    return range(process_index * per, (process_index + 1) * per), shards
+
+
 def make_train_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: int,
-                        process_index: int = 0, process_count: int = 1) -> DataIterator:
+                        process_index: int = 0, process_count: int = 1) -> DataIterator | ShardGroup:
     """An endless iterator of this process's training batches (its `global_batch // process_count`
-    rows); supports next(), get_state() and set_state(state). Call close() when done."""
+    rows); supports next(), get_state() and set_state(state). Call close() when done.
+
+    The data is split into DataConfig.shards logical shards (default: one per process), and each
+    process reads its share of them, so with a fixed shard count the global batch is the same
+    whatever the number of processes."""
+    _rows_per_process(global_batch, process_index, process_count)
+    owned, shards = _owned_shards(data_cfg, process_index, process_count)
+    if len(owned) > 1:
+        return ShardGroup([_shard_iterator(data_cfg, seq_len=seq_len, global_batch=global_batch,
+                                           shard=i, shards=shards) for i in owned])
+    return _shard_iterator(data_cfg, seq_len=seq_len, global_batch=global_batch, shard=owned[0], shards=shards)
+
+
+def _shard_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: int, shard: int,
+                    shards: int) -> DataIterator:
+    process_index, process_count = shard, shards
     rows = _rows_per_process(global_batch, process_index, process_count)
     tokenizer = get_tokenizer(data_cfg.tokenizer)
     ds, reprs, mixture = _mixture(data_cfg, tokenizer, seq_len=seq_len, process_index=process_index,
@@ -364,8 +418,13 @@ def make_eval_batches(data_cfg: DataConfig, *, seq_len: int, global_batch: int, 
     """The first num_batches batches of the held-out data (each source's eval split, mixed with
     the training weights), unshuffled, so every call (and every evaluation during training) sees
     the same tokens. A small held-out split is cycled."""
-    rows = _rows_per_process(global_batch, process_index, process_count)
+    _rows_per_process(global_batch, process_index, process_count)
+    owned, shards = _owned_shards(data_cfg, process_index, process_count)
+    rows = _rows_per_process(global_batch, 0, shards)
     tokenizer = get_tokenizer(data_cfg.tokenizer)
-    ds, _, _ = _mixture(data_cfg, tokenizer, seq_len=seq_len, process_index=process_index,
-                        process_count=process_count, train=False)
-    return list(itertools.islice(ds.batch(rows, drop_remainder=True), num_batches))
+    parts = []
+    for shard in owned:
+        ds, _, _ = _mixture(data_cfg, tokenizer, seq_len=seq_len, process_index=shard,
+                            process_count=shards, train=False)
+        parts.append(list(itertools.islice(ds.batch(rows, drop_remainder=True), num_batches)))
+    return [{k: np.concatenate([p[i][k] for p in parts]) for k in parts[0][i]} for i in range(num_batches)]
