@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import QUICK_COMPILE, loss_and_grads, random_batch, small_config, train_losses
+from helpers import QUICK_COMPILE, loss_and_grads, random_batch, small_config
 from maxlm import config, model, optim, pipeline, sharding, step
 
 # 16 layers divide by every pipeline degree times 2 repeats below; 16 rows give every mesh's
@@ -56,7 +56,7 @@ def reference():
     params = jax.jit(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(cfg.train.seed))))()
     params = jax.tree.map(np.asarray, params)
     loss, grads, _ = loss_and_grads(cfg, jax.devices()[:1], params, compiler_options=QUICK_COMPILE)
-    losses = train_losses(cfg, jax.devices()[:1], steps=4)[0]
+    losses = train_with_hlo(cfg, 4, jax.devices()[:1])[0]
     return dict(params=params, loss=loss, grads=grads, losses=losses)
 
 
@@ -76,9 +76,9 @@ def test_gradients_match_unpipelined(mesh, micro, repeats, reference):
     assert re.search(r"collective-permute(-start)?\(", hlo)
 
 
-def train_with_hlo(cfg, steps):
-    """helpers.train_losses, keeping the compiled train_step's HLO."""
-    devices = jax.devices()
+def train_with_hlo(cfg, steps, devices=None):
+    """helpers.train_losses, compiled with QUICK_COMPILE, keeping the compiled train_step's HLO."""
+    devices = devices or jax.devices()
     mesh = sharding.make_mesh(cfg.mesh.shape(len(devices)), devices)
     optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
     shardings = step.state_shardings(cfg, mesh, optimizer)
@@ -86,7 +86,7 @@ def train_with_hlo(cfg, steps):
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, optimizer, shardings)
         train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
-        compiled = train_step.lower(state, step.device_batch(batch, mesh)).compile()
+        compiled = train_step.lower(state, step.device_batch(batch, mesh)).compile(QUICK_COMPILE)
         losses = []
         for _ in range(steps):
             state, metrics = compiled(state, step.device_batch(batch, mesh))
