@@ -76,7 +76,7 @@ def test_state_bytes_equal_the_real_sharded_state(opt):
 
 
 def test_memory_follows_mesh_remat_and_microbatches():
-    cfg, degrees, _ = planned("llama3_8b.gin", gpus=64)
+    cfg, degrees, _ = planned("llama3_8b.gin", ["OptimConfig.microbatches=2"], gpus=64)
     base = plan_memory.memory(cfg, degrees)
     wider = plan_memory.memory(cfg.replace(mesh={"data": 4, "fsdp": 16}), dict(degrees, data=4, fsdp=16))
     assert wider["params"] == pytest.approx(base["params"] / 2, rel=0.01)  # fsdp shards the state
@@ -103,7 +103,7 @@ def test_pipeline_is_planned_arithmetically():
 
 
 def test_a_config_that_does_not_fit_gets_a_suggestion_that_does():
-    _, _, r = planned("llama3_1b.gin")  # 131k tokens per device and 128k-vocab logits
+    _, _, r = planned("llama3_1b.gin", ["OptimConfig.microbatches=1"])  # 131k tokens/device, 128k-vocab logits
     assert not r["fits"] and r["warnings"]
     best = r["suggestions"][0]
     _, _, again = planned("llama3_1b.gin", best["bindings"], gpus=best["gpus"])
