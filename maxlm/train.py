@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from maxlm import checkpoint, config, data, distributed, generate, metrics, optim, resilience, sharding, step
+from maxlm import (checkpoint, config, data, distributed, generate, metrics, optim, pipeline, resilience,
+                   sharding, step)
 
 EPILOG = """examples:
   python -m maxlm.train --config=tiny.gin
@@ -173,14 +174,17 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         flops_per_token = metrics.flops_per_token(cfg.model, tc.seq_len)
         peak = tc.peak_flops or metrics.measure_peak_flops(cfg.model.dtype)
+        bubble = pipeline.bubble_fraction(mesh.shape["pipeline"], cfg.model.pipeline_microbatches,
+                                          cfg.model.pipeline_repeats)
         recorder.record_run({"config": cfg.source, "params": n_params, "devices": jax.device_count(),
                              "mesh": cfg.mesh.shape(jax.device_count()), "peak_flops_per_device": peak,
-                             "flops_per_token": flops_per_token})
+                             "flops_per_token": flops_per_token, "pipeline_bubble": bubble})
         if first >= tc.steps:
             _say(f"{run_dir} is already at step {first} of {tc.steps}: nothing to train "
                  "(raise TrainConfig.steps to continue, or pick a new --run_dir)")
         _say(f"maxlm: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
-             f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {run_dir}")
+             f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {run_dir}"
+             + (f", pipeline bubble {bubble:.1%}" if mesh.shape["pipeline"] > 1 else ""))
 
         eval_losses, window, last_loss, rollbacks, preempted = [], [], float("nan"), 0, None
         steps_run = redone = timed = 0
