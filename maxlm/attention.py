@@ -31,7 +31,7 @@ def _xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) ->
     [B, K, T*G, S] and each matmul has its batch dims leading and its contraction innermost. This
     is the form XLA:CPU's matmul kernels take directly, forward and backward; the einsum layout of
     ``jax.nn.dot_product_attention`` ([G, B, K, T, S] under a vmap over G) makes XLA transpose the
-    score-sized tensors around every matmul, which made attention ~1.8x slower on CPU.
+    score-sized tensors around every matmul, which made attention ~1.5x slower on CPU.
     """
     b, t, n, h = q.shape
     s, k_heads = k.shape[1], k.shape[2]
