@@ -16,7 +16,13 @@ from typing import Any
 
 import gin
 
+from maxlm import rules
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# Implementations of the linear seam (maxlm.model.linear registers one function per name).
+LINEAR_IMPLS = ("dense",)
 
 
 class ConfigError(ValueError):
@@ -54,13 +60,11 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots | save_named
     attention_impl: str = "xla"  # xla | cudnn | pallas
-    # Pipeline parallelism (used when MeshConfig.pipeline > 1; see maxlm/pipeline.py). The batch each
-    # step (or optimizer microbatch) feeds the model is split into this many pipeline microbatches;
-    # the bubble is (pipeline - 1) / (repeats * microbatches + pipeline - 1).
-    pipeline_microbatches: int = 1
-    # Circular (interleaved) pipeline: each stage holds this many chunks of layers, assigned round-robin,
-    # and a microbatch goes round the stages this many times. n_layers must divide by pipeline * repeats.
-    pipeline_repeats: int = 1
+    # Attend only to the last sliding_window positions (Mistral); 0 attends to the whole prefix.
+    sliding_window: int = 0
+    # The implementation behind every weight matmul (maxlm.model.linear); LoRA and quantized
+    # variants register there under their own names.
+    linear: str = "dense"
 
     @property
     def kv_heads(self) -> int:
@@ -74,6 +78,21 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
+    def logical_sizes(self) -> dict[str, tuple[str, int]]:
+        """The size of every logical weight axis (``maxlm.rules``), with the field that sets it.
+
+        Each logical name has one size per model, which a test checks against every parameter of
+        the real tree; the mesh divisibility rules follow from these and the rules table."""
+        return {"heads": ("ModelConfig.n_heads", self.n_heads),
+                "kv_heads": ("ModelConfig.n_kv_heads", self.kv_heads),
+                "mlp": ("ModelConfig.d_ff", self.d_ff),
+                "vocab": ("ModelConfig.padded_vocab", self.padded_vocab),
+                "embed": ("ModelConfig.d_model", self.d_model),
+                "act_embed": ("ModelConfig.d_model", self.d_model),
+                "head_dim": ("ModelConfig.head_dim", self.dim_per_head),
+                "layers": ("ModelConfig.n_layers", self.n_layers),
+                "length": ("ModelConfig.max_seq_len", self.max_seq_len)}
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +103,13 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
+    # Pipeline parallelism (used when pipeline > 1; see maxlm/parallel/pipeline_parallel.py). The batch
+    # each step (or optimizer microbatch) feeds the model is split into this many pipeline microbatches;
+    # the bubble is pipeline_parallel.bubble_fraction.
+    pipeline_microbatches: int = 1
+    # Circular (interleaved) pipeline: each stage holds this many chunks of layers, assigned round-robin,
+    # and a microbatch goes round the stages this many times. n_layers must divide by pipeline * repeats.
+    pipeline_repeats: int = 1
 
     def shape(self, num_devices: int) -> dict[str, int]:
         degrees = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "pipeline": self.pipeline}
@@ -296,6 +322,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "ModelConfig.position", m.position, ("rope", "learned"))
     _choice(src, "ModelConfig.remat", m.remat, ("none", "full", "save_dots", "save_named"))
     _choice(src, "ModelConfig.attention_impl", m.attention_impl, ("xla", "cudnn", "pallas"))
+    _choice(src, "ModelConfig.linear", m.linear, LINEAR_IMPLS)
     for field in ("dtype", "param_dtype"):
         _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
@@ -306,8 +333,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 "TrainConfig.steps": t.steps, "TrainConfig.global_batch": t.global_batch,
                 "TrainConfig.seq_len": t.seq_len, "OptimConfig.microbatches": o.microbatches,
                 "OptimConfig.learning_rate": o.learning_rate,
-                "ModelConfig.pipeline_microbatches": m.pipeline_microbatches,
-                "ModelConfig.pipeline_repeats": m.pipeline_repeats}
+                "MeshConfig.pipeline_microbatches": cfg.mesh.pipeline_microbatches,
+                "MeshConfig.pipeline_repeats": cfg.mesh.pipeline_repeats,
+                "TrainConfig.eval_every": t.eval_every, "TrainConfig.log_every": t.log_every}
     for field, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{src}: {field} must be positive, got {value}")
@@ -324,13 +352,17 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           f"ModelConfig.max_seq_len = {m.max_seq_len}")
     if o.warmup_steps < 0:
         raise ConfigError(f"{src}: OptimConfig.warmup_steps must be >= 0, got {o.warmup_steps}")
-    from maxlm.data.spec import check_config, check_vocab  # late: maxlm.data imports this module
-
-    try:
-        check_config(cfg.data)
-        check_vocab(cfg.data, m.vocab_size)
-    except ValueError as err:
-        raise ConfigError(f"{src}: {err}") from None
+    d = cfg.data
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"{src}: DataConfig.eval_fraction = {d.eval_fraction} must lie in [0, 1)")
+    for field in ("worker_count", "prefetch", "shards"):
+        if getattr(d, field) < 0:
+            raise ConfigError(f"{src}: DataConfig.{field} must be >= 0, got {getattr(d, field)}")
+    for field in ("max_doc_bytes", "read_threads"):
+        if getattr(d, field) < 1:
+            raise ConfigError(f"{src}: DataConfig.{field} must be positive, got {getattr(d, field)}")
+    if m.sliding_window < 0:
+        raise ConfigError(f"{src}: ModelConfig.sliding_window must be >= 0 (0: off), got {m.sliding_window}")
     ck = cfg.checkpoint
     if ck.every_steps < 0 or ck.every_minutes < 0 or ck.max_to_keep < 1 or ck.keep_every_steps < 0:
         raise ConfigError(f"{src}: CheckpointConfig needs every_steps >= 0, every_minutes >= 0, "
@@ -356,37 +388,37 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         degrees = cfg.mesh.shape(num_devices)
     except ConfigError as err:
         raise ConfigError(f"{src}: {err}") from None
-    pipe = degrees["pipeline"]
-    if pipe > 1 and m.n_layers % (pipe * m.pipeline_repeats):
-        raise ConfigError(f"{src}: ModelConfig.n_layers = {m.n_layers} is not divisible by MeshConfig.pipeline"
-                          f" * ModelConfig.pipeline_repeats = {pipe}*{m.pipeline_repeats} = "
-                          f"{pipe * m.pipeline_repeats}")
-    split = degrees["data"] * degrees["fsdp"] * o.microbatches  # (the batch check below names a misfit)
-    rows = t.global_batch // split  # what one data*fsdp shard feeds the model per optimizer microbatch
-    if pipe > 1 and t.global_batch % split == 0 and rows % m.pipeline_microbatches:
-        raise ConfigError(
-            f"{src}: ModelConfig.pipeline_microbatches = {m.pipeline_microbatches} does not divide the rows "
-            f"per data*fsdp shard and optimizer microbatch, TrainConfig.global_batch / (data*fsdp*"
-            f"OptimConfig.microbatches) = {t.global_batch}/({degrees['data']}*{degrees['fsdp']}*"
-            f"{o.microbatches}) = {rows}")
-    tp = degrees["tensor"]
-    checks = [("ModelConfig.n_heads", m.n_heads), ("ModelConfig.n_kv_heads", m.kv_heads),
-              ("ModelConfig.d_ff", m.d_ff), ("ModelConfig.padded_vocab", m.padded_vocab)]
-    for field, value in checks:
-        if value % tp:
-            raise ConfigError(f"{src}: {field} = {value} is not divisible by MeshConfig.tensor = {tp}")
-    if m.d_model % degrees["fsdp"]:
-        raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
-                          f"MeshConfig.fsdp = {degrees['fsdp']}")
-    batch_shards = degrees["data"] * degrees["fsdp"]
-    if t.global_batch % (batch_shards * o.microbatches):
-        raise ConfigError(
-            f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible by "
-            f"data*fsdp*microbatches = {degrees['data']}*{degrees['fsdp']}*{o.microbatches} "
-            f"= {batch_shards * o.microbatches}")
+    problem = mesh_problem(cfg, degrees)
+    if problem:
+        raise ConfigError(f"{src}: {problem}")
     if cfg.data.shards and (cfg.data.shards % jax.process_count() or t.global_batch % cfg.data.shards):
         raise ConfigError(f"{src}: DataConfig.shards = {cfg.data.shards} must be a multiple of the process "
                           f"count {jax.process_count()} and divide TrainConfig.global_batch = {t.global_batch}")
     if t.global_batch % jax.process_count():
         raise ConfigError(f"{src}: TrainConfig.global_batch = {t.global_batch} is not divisible "
                           f"by the process count {jax.process_count()}")
+
+
+def mesh_problem(cfg: Config, degrees: dict[str, int]) -> str | None:
+    """What keeps this config from running on a mesh of these degrees (one line), or None.
+
+    Shared by validation and the planner. Which dimension must divide by which degree comes from
+    ``maxlm.rules`` (the logical names of ``ModelConfig.logical_sizes``); the batch and the pipeline
+    add their microbatch and repeat counts."""
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    pipe, micro = degrees["pipeline"], cfg.optim.microbatches
+    if pipe > 1 and m.n_layers % (pipe * mesh.pipeline_repeats):
+        return (f"ModelConfig.n_layers = {m.n_layers} is not divisible by MeshConfig.pipeline * "
+                f"MeshConfig.pipeline_repeats = {pipe}*{mesh.pipeline_repeats} = {pipe * mesh.pipeline_repeats}")
+    batch_axes = rules.mesh_axes("batch")
+    split = math.prod(degrees[a] for a in batch_axes) * micro
+    if t.global_batch % split:
+        return (f"TrainConfig.global_batch = {t.global_batch} is not divisible by {'*'.join(batch_axes)}"
+                f"*microbatches = {'*'.join(str(degrees[a]) for a in batch_axes)}*{micro} = {split}")
+    rows = t.global_batch // split  # what one batch shard feeds the model per optimizer microbatch
+    if pipe > 1 and rows % mesh.pipeline_microbatches:
+        return (f"MeshConfig.pipeline_microbatches = {mesh.pipeline_microbatches} does not divide the rows "
+                f"per data*fsdp shard and optimizer microbatch, TrainConfig.global_batch / (data*fsdp*"
+                f"OptimConfig.microbatches) = {t.global_batch}/({degrees['data']}*{degrees['fsdp']}*"
+                f"{micro}) = {rows}")
+    return rules.divisibility_problem(m.logical_sizes(), degrees)

@@ -16,7 +16,9 @@ import time
 import jax
 import numpy as np
 
-from maxlm import checkpoint, config, optim, sharding, step
+from maxlm import config
+from maxlm.parallel import sharding
+from maxlm.train import checkpoint, optim, step, tasks
 
 
 def build(args):
@@ -53,8 +55,8 @@ def main() -> None:
         state = step.init_state(cfg, opt, shardings)
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 2**20
-        train_step, _ = step.compile_steps(cfg, mesh, opt, shardings)
-        device_batch = step.device_batch(batch, mesh)
+        train_step, _ = tasks.lm_steps(cfg, mesh, opt, shardings)
+        device_batch = step.device_batch(batch, mesh, tasks.LM_BATCH)
         for _ in range(3):  # compile and warm up
             state, _ = train_step(state, device_batch)
         jax.block_until_ready(state)

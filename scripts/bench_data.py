@@ -7,15 +7,15 @@ What it measures, all in this run:
 
   tiny.gin      pipeline: make_train_iterator exactly as tiny.gin configures it (the stdlib corpus,
                 byte tokenizer, read + tokenise + pack on the fly, seq 256, batch 8, prefetch thread).
-                consumption: the real tiny.gin train step (maxlm.step.compile_steps on a mesh over
-                this machine's devices, state donated, as maxlm/train.py runs it), on those batches.
+                consumption: the real tiny.gin train step (maxlm.train.tasks.lm_steps on a mesh over
+                this machine's devices, state donated, as maxlm.train runs it), on those batches.
   llama3_1b     pipeline: packed rows written by `maxlm.data prepare` (a BPE tokenizer trained here on
                 the stdlib; seq 4096, one process's global batch of 256 rows = 1M tokens), memory-
                 mapped, shuffled, batched. Also shown, not used in the ratio: the same BPE run on the
                 fly over raw documents, to show why `prepare` exists.
                 consumption (computed, not measured): one 8xH100 node at 40% MFU,
                 tokens/s = 8 * 989.4e12 (H100 SXM dense bf16 peak) * 0.40 / flops_per_token,
-                with flops_per_token from maxlm.metrics (PaLM accounting) for llama3_1b at seq 4096.
+                with flops_per_token from maxlm.model.flops (PaLM accounting) for llama3_1b at seq 4096.
   near-dedup    documents/s of MinHash signatures + LSH (datasketch) over a planted corpus, with the
                 recall and precision it reaches there.
 
@@ -57,8 +57,10 @@ def tiny_consumption(batches: int) -> tuple[float, dict]:
     """tokens/s of the real tiny.gin train step on this machine, fed by the real pipeline."""
     import jax
 
-    from maxlm import config, optim, sharding, step
+    from maxlm import config
     from maxlm.data import make_train_iterator
+    from maxlm.parallel import sharding
+    from maxlm.train import optim, step, tasks
 
     cfg = config.load("tiny.gin", num_devices=jax.device_count())
     tc = cfg.train
@@ -70,13 +72,13 @@ def tiny_consumption(batches: int) -> tuple[float, dict]:
     it.close()
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, optimizer, shardings)
-        train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
+        train_step, _ = tasks.lm_steps(cfg, mesh, optimizer, shardings)
         for b in data[:2]:  # compile and warm up
-            state, metrics = train_step(state, step.device_batch(b, mesh))
+            state, metrics = train_step(state, step.device_batch(b, mesh, tasks.LM_BATCH))
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for b in data[2:]:
-            state, metrics = train_step(state, step.device_batch(b, mesh))
+            state, metrics = train_step(state, step.device_batch(b, mesh, tasks.LM_BATCH))
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - start
     return batches * tc.global_batch * tc.seq_len / seconds, cfg.data.__dict__ | {"seq_len": tc.seq_len,
@@ -84,10 +86,10 @@ def tiny_consumption(batches: int) -> tuple[float, dict]:
 
 
 def llama_consumption() -> tuple[float, float]:
-    from maxlm import config, metrics
+    from maxlm import config, model
 
     cfg = config.load("llama3_1b.gin")
-    fpt = metrics.flops_per_token(cfg.model, cfg.train.seq_len)
+    fpt = model.flops_per_token(cfg.model, cfg.train.seq_len)
     return NODE_GPUS * H100_BF16_PEAK * ASSUMED_MFU / fpt, fpt
 
 

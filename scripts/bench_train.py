@@ -7,16 +7,16 @@ Both frameworks train the same Llama-style model (RMSNorm, RoPE, SwiGLU, grouped
 untied embeddings) from the same initial weights (torch's, imported with maxlm.hf) on the same
 random tokens, with AdamW (same betas, eps, weight decay with norms excluded, learning rate,
 global-norm clipping), in fp32 on every CPU core; their final losses agree. maxlm runs its real
-jitted train step (maxlm.step.compile_steps, state donated); torch runs LlamaForCausalLM with SDPA
+jitted train step (maxlm.train.tasks.lm_steps, state donated); torch runs LlamaForCausalLM with SDPA
 attention in train mode and the fused AdamW kernel.
 
 Each repeat times --steps steps of one framework, then of the other, alternating which goes
 first so that machine noise hits both; step times are medians over repeats. Warm-up steps
 (XLA compilation for maxlm) are excluded and reported separately.
 
-MFU = flops_per_token (maxlm.metrics: PaLM accounting, the same number for both) x tokens/s
+MFU = flops_per_token (maxlm.model.flops: PaLM accounting, the same number for both) x tokens/s
 divided by a measured fp32 matmul peak: a 1024^3 matmul, best of 10 as
-maxlm.metrics.measure_peak_flops does, probed after every repeat, best of all. Each framework
+maxlm.train.metrics.measure_peak_flops does, probed after every repeat, best of all. Each framework
 gets its own peak ("own"); both also get the larger of the two ("machine"), which is the one to
 compare. The last line printed is "ratio maxlm/torch tokens_per_s = X" (of median tokens/s).
 """
@@ -99,14 +99,16 @@ def random_batch(args: argparse.Namespace) -> dict[str, np.ndarray]:
 
 
 class MaxlmRunner:
-    """maxlm's real train step (maxlm.step.compile_steps, state donated) on one CPU device."""
+    """maxlm's real train step (maxlm.train.tasks.lm_steps, state donated) on one CPU device."""
 
     name = "maxlm"
 
     def __init__(self, args: argparse.Namespace, batch: dict[str, np.ndarray], hf_dir: str | None = None):
         import jax
 
-        from maxlm import hf, metrics, optim, sharding, step
+        from maxlm import hf
+        from maxlm.parallel import sharding
+        from maxlm.train import metrics, optim, step, tasks
 
         self.jax, self.metrics = jax, metrics
         self.cfg = maxlm_config(args)
@@ -118,8 +120,8 @@ class MaxlmRunner:
         params = hf.params_from_hf(hf_dir, self.cfg.model) if hf_dir else None
         with jax.set_mesh(self.mesh):
             self.state = step.init_state(self.cfg, optimizer, shardings, params)
-            self.train_step, _ = step.compile_steps(self.cfg, self.mesh, optimizer, shardings)
-            self.batch = step.device_batch(batch, self.mesh)
+            self.train_step, _ = tasks.lm_steps(self.cfg, self.mesh, optimizer, shardings)
+            self.batch = step.device_batch(batch, self.mesh, tasks.LM_BATCH)
         self.params = sum(x.size for x in jax.tree.leaves(self.state.params))
 
     def run(self, steps: int) -> float:
@@ -153,7 +155,7 @@ class TorchRunner:
                              tie_word_embeddings=False, use_cache=False)
         self.model = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
         self.model.train()
-        # maxlm's decay mask (maxlm.optim.decay_mask): matrices decay, norm scales do not.
+        # maxlm's decay mask (maxlm.train.optim.decay_mask): matrices decay, norm scales do not.
         named = list(self.model.named_parameters())
         groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": OPTIM["weight_decay"]},
                   {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
@@ -186,7 +188,7 @@ class TorchRunner:
         return float(loss.detach())
 
     def peak_flops(self, size: int = 1024) -> float:
-        """torch's fp32 matmul peak, measured as maxlm.metrics.measure_peak_flops does for JAX."""
+        """torch's fp32 matmul peak, measured as maxlm.train.metrics.measure_peak_flops does for JAX."""
         a = self.torch.ones((size, size), dtype=self.torch.float32)
         a @ a
         best = float("inf")
@@ -221,11 +223,11 @@ def timed(runner, steps: int) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from maxlm import metrics
+    from maxlm import model
 
     batch = random_batch(args)
     tokens_per_step = args.batch * args.seq_len
-    flops_per_token = metrics.flops_per_token(maxlm_config(args).model, args.seq_len)
+    flops_per_token = model.flops_per_token(maxlm_config(args).model, args.seq_len)
     runners = []
     with tempfile.TemporaryDirectory() as hf_dir:
         if args.only != "maxlm":

@@ -1,9 +1,13 @@
 """Small models, batches and training runs shared by the tests."""
 
+import functools
+
 import jax
 import numpy as np
 
-from maxlm import config, optim, sharding, step
+from maxlm import config, model
+from maxlm.parallel import sharding
+from maxlm.train import optim, step, tasks
 
 
 def small_config(num_devices=8, model=None, **sections):
@@ -16,6 +20,13 @@ def small_config(num_devices=8, model=None, **sections):
     opt = dict(warmup_steps=2, learning_rate=1e-2)
     opt.update(sections.pop("optim", {}))
     return config.build(num_devices=num_devices, model=base, train=train, optim=opt, **sections)
+
+
+def lm_loss(cfg, params, batch, mesh=None):
+    """(summed cross-entropy, summed weight) of pre-training's task; on `mesh` when given (the
+    layer stack is then chosen from it, e.g. pipelined)."""
+    forward = step.model_forward(cfg, mesh) if mesh is not None else functools.partial(model.forward, cfg.model)
+    return tasks.lm_loss(forward, cfg.model.vocab_size, cfg.train.z_loss)(params, batch, None)[:2]
 
 
 def random_batch(rng, batch=8, seq_len=32, vocab=259):
@@ -41,10 +52,10 @@ def train_losses(cfg, devices, steps=5, seed=0, batches=None):
     losses = []
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, optimizer, shardings)
-        train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
+        train_step, _ = tasks.lm_steps(cfg, mesh, optimizer, shardings)
         for i in range(steps):
             batch = batches[i] if batches else fixed
-            state, metrics = train_step(state, step.device_batch(batch, mesh))
+            state, metrics = train_step(state, step.device_batch(batch, mesh, tasks.LM_BATCH))
             losses.append(float(metrics["loss"]))
     return np.array(losses), state
 
@@ -60,24 +71,23 @@ def loss_and_grads(cfg, devices, params=None, seed=0, compiler_options=None):
     compiled HLO text of the loss-and-gradient computation. `params` (host arrays, e.g. another
     run's) are placed by the config's shardings; without them the model is initialised here.
     `compiler_options` go to XLA (e.g. QUICK_COMPILE)."""
-    import flax.linen as nn
 
     mesh = sharding.make_mesh(cfg.mesh.shape(len(devices)), devices)
     fixed = random_batch(np.random.default_rng(seed), cfg.train.global_batch, cfg.train.seq_len)
     param_sh = sharding.mesh_shardings(step.param_names(cfg), mesh)
-    batch_sh = {k: sharding.batch_sharding(mesh) for k in step.BATCH_KEYS}
+    batch_sh = step.batch_shardings(tasks.LM_BATCH, mesh)
 
     def mean_loss(params, batch):
-        loss_sum, weight = step.loss_and_weight(cfg, params, batch)
+        loss_sum, weight = lm_loss(cfg, params, batch, mesh)
         return loss_sum / weight
 
     with jax.set_mesh(mesh):
         if params is None:
-            params = jax.jit(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(cfg.train.seed))),
+            params = jax.jit(lambda: model.init_params(cfg.model, jax.random.PRNGKey(cfg.train.seed)),
                              out_shardings=param_sh)()
         else:
             params = jax.device_put(params, param_sh)
-        batch = step.device_batch(fixed, mesh)
+        batch = step.device_batch(fixed, mesh, tasks.LM_BATCH)
         compiled = jax.jit(jax.value_and_grad(mean_loss), in_shardings=(param_sh, batch_sh)).lower(
             params, batch).compile(compiler_options)
         loss, grads = compiled(params, batch)

@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from helpers import random_batch, small_config
-from maxlm import checkpoint, config, optim, sharding, step, train
+
+from maxlm import config, train
+from maxlm.parallel import sharding
+from maxlm.train import checkpoint, optim, resilience, step, tasks
 
 MESHES = {"8x1x1x1": dict(data=8), "1x2x4x1": dict(data=1, fsdp=2, tensor=4), "single": dict(data=1)}
 
@@ -33,9 +35,9 @@ def _next_loss(ckpt_dir, degrees, devices):
         assert found is not None and found[0] == 3
         state = found[1]
         assert state.params["embed"].sharding == shardings.params["embed"]  # placed directly
-        train_step, _ = step.compile_steps(cfg, mesh, opt, shardings)
+        train_step, _ = tasks.lm_steps(cfg, mesh, opt, shardings)
         batch = random_batch(np.random.default_rng(7))
-        _, m = train_step(state, step.device_batch(batch, mesh))
+        _, m = train_step(state, step.device_batch(batch, mesh, tasks.LM_BATCH))
     ckpt.close()
     return float(m["loss"])
 
@@ -47,9 +49,9 @@ def saved_on_data_parallel(tmp_path_factory):
     ckpt = checkpoint.Checkpointer(run_dir, cfg.checkpoint)
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, opt, shardings)
-        train_step, _ = step.compile_steps(cfg, mesh, opt, shardings)
+        train_step, _ = tasks.lm_steps(cfg, mesh, opt, shardings)
         for i in range(3):
-            state, _ = train_step(state, step.device_batch(random_batch(np.random.default_rng(i)), mesh))
+            state, _ = train_step(state, step.device_batch(random_batch(np.random.default_rng(i)), mesh, tasks.LM_BATCH))
         ckpt.save(3, state, {"note": "data"}, cfg.to_dict(), {"tokens_seen": 3 * 8 * 32})
     ckpt.close()
     return run_dir
@@ -137,12 +139,12 @@ def test_consecutive_bad_steps_roll_back_with_a_lower_learning_rate(tmp_path, mo
 
 def test_spike_detection_skips_outliers():
     cfg = small_config(num_devices=1, mesh=dict(data=1), train=dict(spike_sigmas=3.0, spike_warmup=2, spike_window=10))
-    stats = step.rolling_stats(cfg, jax.numpy.array([2.0, 1.0]), jax.numpy.zeros((2, 2)), 0)
+    stats = resilience.rolling_stats(cfg.train, jax.numpy.array([2.0, 1.0]), jax.numpy.zeros((2, 2)), 0)
     for value in (2.1, 1.9, 2.0, 2.05):
-        stats = step.rolling_stats(cfg, jax.numpy.array([value, 1.0]), stats, 5)
-    assert not step.spike_detected(cfg, jax.numpy.array([2.1, 1.0]), stats, 5)
-    assert step.spike_detected(cfg, jax.numpy.array([9.0, 1.0]), stats, 5)
-    assert not step.spike_detected(cfg, jax.numpy.array([9.0, 1.0]), stats, 1)  # still warming up
+        stats = resilience.rolling_stats(cfg.train, jax.numpy.array([value, 1.0]), stats, 5)
+    assert not resilience.spike_detected(cfg.train, jax.numpy.array([2.1, 1.0]), stats, 5)
+    assert resilience.spike_detected(cfg.train, jax.numpy.array([9.0, 1.0]), stats, 5)
+    assert not resilience.spike_detected(cfg.train, jax.numpy.array([9.0, 1.0]), stats, 1)  # still warming up
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ import math
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from maxlm import config, model
@@ -60,13 +61,12 @@ BAD = [
     (["ModelConfig.n_heads = 3"], 8, "ModelConfig.d_model = 256 is not divisible by ModelConfig.n_heads = 3"),
     (["ModelConfig.n_kv_heads = 3"], 8, "ModelConfig.n_heads = 4 is not divisible by ModelConfig.n_kv_heads = 3"),
     (["MeshConfig.data = 1", "MeshConfig.pipeline = 8"], 8,
-     "ModelConfig.n_layers = 4 is not divisible by MeshConfig.pipeline * ModelConfig.pipeline_repeats = 8*1 = 8"),
+     "ModelConfig.n_layers = 4 is not divisible by MeshConfig.pipeline * MeshConfig.pipeline_repeats = 8*1 = 8"),
     (["ModelConfig.attention_impl = 'pallas'"], 8, "'pallas' is not available yet"),
     (["ModelConfig.attention_impl = 'cudnn'"], 8, "'cudnn' needs NVIDIA GPUs, but this run's devices are cpu"),
     (["ModelConfig.norm = 'batch'"], 8, "ModelConfig.norm = 'batch' is not one of rms, layer"),
     (["TrainConfig.seq_len = 512"], 8, "TrainConfig.seq_len = 512 exceeds ModelConfig.max_seq_len = 256"),
     (["MeshConfig.data = -1", "MeshConfig.fsdp = -1"], 8, "only one axis may be -1"),
-    (["ModelConfig.vocab_size = 200"], 8, "has 259 tokens but ModelConfig.vocab_size = 200"),
     (["DataConfig.eval_fraction = 1.5"], 8, "DataConfig.eval_fraction = 1.5 must lie in [0, 1)"),
     (["MeshConfig.data = 3", "MeshConfig.fsdp = -1"], 8, "cannot fill 8 devices"),
     (["TrainConfig.steps = 0"], 8, "TrainConfig.steps must be positive, got 0"),
@@ -83,6 +83,31 @@ def test_bad_config_is_one_clear_line(bindings, devices, message):
     assert message in text
     assert "\n" not in text
     assert text.startswith("tiny.gin: ")
+
+
+def test_vocab_smaller_than_the_tokenizer_is_refused_when_the_data_opens():
+    """Validation reads no files; the tokenizer is checked against the model when data opens."""
+    from maxlm.train import tasks
+
+    cfg = config.load("tiny.gin", ["ModelConfig.vocab_size = 200"], num_devices=8)
+    with pytest.raises(config.ConfigError) as err:
+        tasks.open_lm_data(cfg)
+    text = str(err.value)
+    assert "has 259 tokens but ModelConfig.vocab_size = 200" in text
+    assert "\n" not in text and text.startswith("tiny.gin: ")
+
+
+def test_logical_sizes_match_every_parameter():
+    """The divisibility checks use one size per logical name: every parameter agrees with it."""
+    import flax.linen as nn
+
+    for name in CONFIGS:
+        m = config.load(name).model
+        sizes = {k: size for k, (_, size) in m.logical_sizes().items()}
+        boxed = model.abstract_params(m.__class__(**{**m.__dict__, "n_layers": 2}), boxed=True)
+        for leaf in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
+            for dim, axis in zip(leaf.value.shape, leaf.names):
+                assert dim == (2 if axis == "layers" else sizes[axis]), (name, leaf.names, leaf.value.shape)
 
 
 def test_missing_config_file():

@@ -123,7 +123,7 @@ def test_batch_format_and_packing_invariants(corpus):
 
 def test_packing_splits_long_documents_and_pads_the_tail():
     docs = grain.MapDataset.source(["ab", "cde", "0123456789" * 3])
-    rows = list(pipeline._packed_batches(docs, TOK, seq_len=16, rows=1))
+    rows = list(pipeline._packed_docs(docs, TOK, seq_len=16).batch(1, drop_remainder=True))
     first = rows[0]
     assert first["inputs"][0, :9].tolist() == [256, 97, 98, 257, 256, 99, 100, 101, 257]
     assert first["segment_ids"][0].tolist() == [1] * 4 + [2] * 5 + [3] * 7

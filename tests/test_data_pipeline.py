@@ -3,16 +3,22 @@
 import collections
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import numpy as np
 import pytest
+from helpers import lm_loss, small_config
 
-from helpers import small_config
-from maxlm import model, step
+from maxlm import model
 from maxlm.config import DataConfig
-from maxlm.data import DataStateMismatch, check_vocab, make_eval_batches, make_train_iterator, pipeline
+from maxlm.data import (
+    DataStateMismatch,
+    check_vocab,
+    make_eval_batches,
+    make_train_iterator,
+    pipeline,
+)
 from maxlm.data.prepare import PackedRows, prepare
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -107,7 +113,7 @@ def test_packing_loss_equals_token_weighted_mean_of_per_document_losses(corpora,
     cfg = small_config(model=dict(max_seq_len=32), train=dict(seq_len=32))
     init = jax.jit(lambda: model.Transformer(cfg.model).init(jax.random.PRNGKey(0), jnp.zeros((1, 32), jnp.int32)))
     params = nn.unbox(init())["params"]
-    loss_of = jax.jit(lambda p, b: step.loss_and_weight(cfg, p, b))
+    loss_of = jax.jit(lambda p, b: lm_loss(cfg, p, b))
     loss_sum, weight = loss_of(params, {k: jnp.asarray(v) for k, v in batch.items()})
     packed_loss = float(loss_sum / weight)
 
@@ -129,7 +135,7 @@ def test_packing_loss_equals_token_weighted_mean_of_per_document_losses(corpora,
 
     @jax.jit
     def per_document(p, b):
-        logits = model.Transformer(cfg.model).apply({"params": p}, b["inputs"], b["segment_ids"], b["positions"])
+        logits, _ = model.Transformer(cfg.model).apply({"params": p}, b["inputs"], b["segment_ids"], b["positions"])
         return jax.vmap(lambda l, t, w: model.cross_entropy(l[None], t[None], w[None], cfg.model.vocab_size))(
             logits, b["targets"], b["weights"])
     sums, tokens = (np.asarray(x, np.float64) for x in per_document(params, alone))

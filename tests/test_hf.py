@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from maxlm import config as config_lib  # noqa: E402
 from maxlm import hf, model  # noqa: E402
-from maxlm.checkpoint import restore_params  # noqa: E402
+from maxlm.train.checkpoint import restore_params  # noqa: E402
 
 ATOL = 1e-4
 BATCH, LENGTH = 2, 300
@@ -71,7 +71,7 @@ def _hf_logits(net, ids: np.ndarray) -> np.ndarray:
 
 def _maxlm_logits(model_cfg, params, ids: np.ndarray) -> np.ndarray:
     cfg = dataclasses.replace(model_cfg, dtype="float32")
-    logits = jax.jit(lambda p, x: model.Transformer(cfg).apply({"params": p}, x))(params, jnp.asarray(ids, jnp.int32))
+    logits = jax.jit(lambda p, x: model.forward(cfg, p, x)[0])(params, jnp.asarray(ids, jnp.int32))
     return np.asarray(logits)[..., :cfg.vocab_size]
 
 
@@ -201,6 +201,17 @@ def test_config_mapping_v4_layout_and_defaults():
     assert llama.rope_scaling_factor == 32.0 and llama.padded_vocab == 1024
     gpt2 = hf.config_from_hf(dict(model_type="gpt2", n_embd=48, n_layer=1, n_head=3, vocab_size=50257))
     assert (gpt2.d_ff, gpt2.max_seq_len, gpt2.norm_eps, gpt2.padded_vocab) == (192, 1024, 1e-5, 50304)
+
+
+def test_export_reproduces_saved_checkpoints(llama_dir, gpt2_dir):
+    # import then export gives back save_pretrained's tensors: same names, dtypes and bits.
+    for path, _ in (llama_dir, gpt2_dir):
+        model_cfg, params = _import(path)
+        saved = load_file(path / "model.safetensors")
+        exported = hf.export_params(params, model_cfg, hf.read_hf_config(path))
+        assert sorted(exported) == sorted(saved)
+        for name, value in saved.items():
+            assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes(), name
 
 
 def test_sharded_and_bf16_checkpoints(llama_dir, tmp_path):

@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import lm_loss, random_batch, small_config, train_losses
 
-from helpers import random_batch, small_config, train_losses
-from maxlm import metrics, model, optim, sharding, step
+from maxlm import model
+from maxlm.parallel import sharding
+from maxlm.train import optim, step, tasks
 
 VARIANTS = {
     "llama_gqa": dict(n_kv_heads=2),
@@ -27,7 +29,7 @@ def test_param_count_matches_closed_form(variant):
     params = init(cfg)
     assert sum(x.size for x in jax.tree.leaves(params)) == model.param_count(cfg.model)
     # FLOPs use the same count: 6N, N without lookup-only tables.
-    assert metrics.matmul_params(cfg.model) <= model.param_count(cfg.model)
+    assert model.matmul_params(cfg.model) <= model.param_count(cfg.model)
 
 
 def test_flops_per_token_gpt3():
@@ -36,7 +38,7 @@ def test_flops_per_token_gpt3():
 
     cfg = config.load("gpt175b.gin").model
     attention = 12 * 96 * 96 * 128 * 2048
-    assert metrics.flops_per_token(cfg, 2048) - attention == pytest.approx(6 * 174.6e9, rel=2e-3)
+    assert model.flops_per_token(cfg, 2048) - attention == pytest.approx(6 * 174.6e9, rel=2e-3)
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "gpt"])
@@ -46,7 +48,7 @@ def test_causal(variant):
     ids = np.random.default_rng(0).integers(0, 259, (1, 16))
     changed = ids.copy()
     changed[0, 10:] = (changed[0, 10:] + 1) % 259
-    apply = jax.jit(lambda x: model.Transformer(cfg.model).apply({"params": params}, x))
+    apply = jax.jit(lambda x: model.Transformer(cfg.model).apply({"params": params}, x)[0])
     a, b = apply(ids), apply(changed)
     np.testing.assert_allclose(a[0, :10], b[0, :10], atol=1e-5)
     assert not np.allclose(a[0, 10:], b[0, 10:])
@@ -63,8 +65,8 @@ def test_packed_documents_do_not_see_each_other(variant):
     segments = np.array([[1] * 9 + [2] * 7])
     positions = np.concatenate([np.arange(9), np.arange(7)])[None]
     run = model.Transformer(cfg.model)
-    together = run.apply({"params": params}, packed, segments, positions)
-    alone = run.apply({"params": params}, doc_b[None])
+    together, _ = run.apply({"params": params}, packed, segments, positions)
+    alone, _ = run.apply({"params": params}, doc_b[None])
     np.testing.assert_allclose(together[0, 9:], alone[0], atol=1e-5)
 
 
@@ -75,7 +77,7 @@ def test_remat_policies_give_the_same_gradients(policy):
     for remat in ("none", policy):
         cfg = small_config(model=dict(remat=remat), train=dict(seq_len=16))
         params = init(cfg)
-        grads[remat] = jax.grad(lambda p: step.loss_and_weight(cfg, p, batch)[0])(params)
+        grads[remat] = jax.grad(lambda p: lm_loss(cfg, p, batch)[0])(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads["none"], grads[policy])
 
 
@@ -86,8 +88,8 @@ def _one_step(cfg, batch):
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, opt, shardings)
         before = jax.tree.map(lambda x: np.array(x, copy=True), state)  # the step donates state
-        train_step, _ = step.compile_steps(cfg, mesh, opt, shardings)
-        after, metrics_ = train_step(state, step.device_batch(batch, mesh))
+        train_step, _ = tasks.lm_steps(cfg, mesh, opt, shardings)
+        after, metrics_ = train_step(state, step.device_batch(batch, mesh, tasks.LM_BATCH))
     return before, jax.device_get(after), jax.device_get(metrics_)
 
 
@@ -97,11 +99,11 @@ def test_non_finite_step_is_skipped_and_counted(dtype):
     batch = random_batch(np.random.default_rng(0))
     batch["weights"][0, 3] = np.nan  # a poisoned batch: the loss is NaN
     before, after, m = _one_step(cfg, batch)
-    assert int(m["skipped"]) == 1 and int(after.skipped) == 1 and int(after.step) == 1
+    assert int(m["skipped"]) == 1 and int(after.guard.skipped) == 1 and int(after.step) == 1
     jax.tree.map(np.testing.assert_array_equal, before.params, after.params)
     jax.tree.map(np.testing.assert_array_equal, before.opt_state, after.opt_state)
     if dtype == "float16":  # dynamic loss scaling halves the scale on overflow
-        assert float(after.loss_scale) == float(before.loss_scale) / 2
+        assert float(after.loss_scale.value) == float(before.loss_scale.value) / 2
 
 
 def test_dynamic_loss_scale():
@@ -133,7 +135,7 @@ def test_bfloat16_compute_tracks_float32():
     losses = {}
     for dtype in ("float32", "bfloat16"):
         cfg = small_config(model=dict(dtype=dtype), train=dict(seq_len=16))
-        loss, weight = step.loss_and_weight(cfg, init(cfg), batch)
+        loss, weight = lm_loss(cfg, init(cfg), batch)
         losses[dtype] = float(loss / weight)
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=1e-2)
 

@@ -10,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import QUICK_COMPILE, loss_and_grads, random_batch, small_config
-from maxlm import config, model, optim, pipeline, sharding, step
+
+from maxlm import config, model
+from maxlm.parallel import pipeline_parallel as pipeline
+from maxlm.parallel import sharding
+from maxlm.train import optim, step, tasks
 
 # 16 layers divide by every pipeline degree times 2 repeats below; 16 rows give every mesh's
 # data*fsdp shards 8 pipeline microbatches.
@@ -43,9 +46,9 @@ GRID = [pytest.param(mesh, micro, repeats, id=f"{mesh}-m{micro}-r{repeats}",
 
 
 def pipelined(mesh, micro=1, repeats=1, num_devices=8, optim=None, **model_fields):
-    return small_config(num_devices, mesh=mesh, train=dict(global_batch=BATCH), optim=optim or {},
-                        model=dict(n_layers=LAYERS, pipeline_microbatches=micro,
-                                   pipeline_repeats=repeats, **model_fields))
+    return small_config(num_devices, mesh=dict(mesh, pipeline_microbatches=micro, pipeline_repeats=repeats),
+                        train=dict(global_batch=BATCH), optim=optim or {},
+                        model=dict(n_layers=LAYERS, **model_fields))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def reference():
     """Initial parameters (host), loss, gradients and training losses of the unpipelined model
     on one device."""
     cfg = pipelined(dict(data=1), num_devices=1)
-    params = jax.jit(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(cfg.train.seed))))()
+    params = jax.jit(lambda: model.init_params(cfg.model, jax.random.PRNGKey(cfg.train.seed)))()
     params = jax.tree.map(np.asarray, params)
     loss, grads, _ = loss_and_grads(cfg, jax.devices()[:1], params, compiler_options=QUICK_COMPILE)
     losses = train_with_hlo(cfg, 4, jax.devices()[:1])[0]
@@ -85,11 +88,11 @@ def train_with_hlo(cfg, steps, devices=None):
     batch = random_batch(np.random.default_rng(0), cfg.train.global_batch, cfg.train.seq_len)
     with jax.set_mesh(mesh):
         state = step.init_state(cfg, optimizer, shardings)
-        train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
-        compiled = train_step.lower(state, step.device_batch(batch, mesh)).compile(QUICK_COMPILE)
+        train_step, _ = tasks.lm_steps(cfg, mesh, optimizer, shardings)
+        compiled = train_step.lower(state, step.device_batch(batch, mesh, tasks.LM_BATCH)).compile(QUICK_COMPILE)
         losses = []
         for _ in range(steps):
-            state, metrics = compiled(state, step.device_batch(batch, mesh))
+            state, metrics = compiled(state, step.device_batch(batch, mesh, tasks.LM_BATCH))
             losses.append(float(metrics["loss"]))
     return np.array(losses), state, compiled.as_text()
 
@@ -114,7 +117,7 @@ def test_training_matches_unpipelined(mesh, micro, repeats, accumulate, referenc
 def param_bytes_per_device(cfg):
     """(stacked layers, everything) parameter bytes on one device, from the shardings alone."""
     mesh = sharding.make_mesh(cfg.mesh.shape(8), jax.devices())
-    shapes = jax.eval_shape(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(0))))
+    shapes = model.abstract_params(cfg.model)
     shardings = sharding.mesh_shardings(step.param_names(cfg), mesh)
     sizes = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize, shapes, shardings)
     return sum(jax.tree.leaves(sizes["layers"])), sum(jax.tree.leaves(sizes))
@@ -144,7 +147,7 @@ def test_degree_one_or_no_mesh_runs_the_plain_scan():
     cfg = pipelined(dict(data=8), micro=4, repeats=2)
     tokens = jnp.zeros((2, 8), jnp.int32)
     params = jax.eval_shape(lambda: nn.unbox(model.Transformer(cfg.model).init(jax.random.PRNGKey(0), tokens)))
-    forward = lambda p: model.Transformer(cfg.model).apply(p, tokens)
+    forward = lambda p: model.Transformer(cfg.model).apply(p, tokens)[0]
     assert "ppermute" not in str(jax.make_jaxpr(forward)(params))
     with jax.set_mesh(sharding.make_mesh(cfg.mesh.shape(8))):
         assert pipeline.degree() == 1
@@ -155,9 +158,10 @@ def test_batch_that_microbatches_do_not_divide_runs_fewer(reference):
     """Sampling feeds one row: the pipeline runs gcd(rows, microbatches) microbatches, same logits."""
     cfg = pipelined(MESHES["1x1x1x8"], micro=4, repeats=2)
     tokens = jnp.asarray(random_batch(np.random.default_rng(1), 1, 16)["inputs"])
-    forward = jax.jit(lambda p, t: model.Transformer(cfg.model).apply({"params": p}, t))
-    want = forward(reference["params"], tokens)
-    with jax.set_mesh(sharding.make_mesh(cfg.mesh.shape(8))):
+    want = jax.jit(lambda p, t: model.forward(cfg.model, p, t)[0])(reference["params"], tokens)
+    mesh = sharding.make_mesh(cfg.mesh.shape(8))
+    forward = jax.jit(lambda p, t: step.model_forward(cfg, mesh)(p, t)[0])
+    with jax.set_mesh(mesh):
         assert pipeline.degree() == 8
         got = forward(reference["params"], tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -165,16 +169,16 @@ def test_batch_that_microbatches_do_not_divide_runs_fewer(reference):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(mesh=dict(data=2, pipeline=4), model=dict(n_layers=6)),
-     "ModelConfig.n_layers = 6 is not divisible by MeshConfig.pipeline * ModelConfig.pipeline_repeats = 4*1 = 4"),
-    (dict(mesh=dict(data=2, pipeline=4), model=dict(n_layers=8, pipeline_repeats=4)),
-     "ModelConfig.n_layers = 8 is not divisible by MeshConfig.pipeline * ModelConfig.pipeline_repeats = 4*4 = 16"),
-    (dict(mesh=dict(data=2, pipeline=4), model=dict(n_layers=8, pipeline_microbatches=3)),
-     "ModelConfig.pipeline_microbatches = 3 does not divide the rows per data*fsdp shard and optimizer "
+     "ModelConfig.n_layers = 6 is not divisible by MeshConfig.pipeline * MeshConfig.pipeline_repeats = 4*1 = 4"),
+    (dict(mesh=dict(data=2, pipeline=4, pipeline_repeats=4), model=dict(n_layers=8)),
+     "ModelConfig.n_layers = 8 is not divisible by MeshConfig.pipeline * MeshConfig.pipeline_repeats = 4*4 = 16"),
+    (dict(mesh=dict(data=2, pipeline=4, pipeline_microbatches=3), model=dict(n_layers=8)),
+     "MeshConfig.pipeline_microbatches = 3 does not divide the rows per data*fsdp shard and optimizer "
      "microbatch, TrainConfig.global_batch / (data*fsdp*OptimConfig.microbatches) = 8/(2*1*1) = 4"),
-    (dict(mesh=dict(fsdp=2, pipeline=4), model=dict(n_layers=8, pipeline_microbatches=4), optim=dict(microbatches=2)),
-     "ModelConfig.pipeline_microbatches = 4 does not divide the rows per data*fsdp shard and optimizer "
+    (dict(mesh=dict(fsdp=2, pipeline=4, pipeline_microbatches=4), model=dict(n_layers=8), optim=dict(microbatches=2)),
+     "MeshConfig.pipeline_microbatches = 4 does not divide the rows per data*fsdp shard and optimizer "
      "microbatch, TrainConfig.global_batch / (data*fsdp*OptimConfig.microbatches) = 8/(1*2*2) = 2"),
-    (dict(model=dict(pipeline_microbatches=0)), "ModelConfig.pipeline_microbatches must be positive, got 0"),
+    (dict(mesh=dict(pipeline_microbatches=0)), "MeshConfig.pipeline_microbatches must be positive, got 0"),
 ])
 def test_bad_pipeline_config_is_one_clear_line(fields, message):
     with pytest.raises(config.ConfigError) as err:

@@ -4,14 +4,15 @@ import json
 import os
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from helpers import small_config, train_losses
 from jax.sharding import PartitionSpec
 
-from helpers import small_config, train_losses
-from maxlm import config, sharding, step
+from maxlm import config, model
+from maxlm.parallel import sharding
+from maxlm.train import step
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -63,7 +64,7 @@ def _intended_devices(cfg):
 def sharding_snapshot(name: str) -> dict:
     cfg = config.load(name)
     names = step.param_names(cfg)
-    shapes = jax.eval_shape(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(0))))
+    shapes = model.abstract_params(cfg.model)
     snapshot = {"mesh": cfg.mesh.shape(_intended_devices(cfg)), "params": {}}
     for (path, logical), shape in zip(jax.tree_util.tree_flatten_with_path(names)[0], jax.tree.leaves(shapes)):
         key = "/".join(p.key for p in path)

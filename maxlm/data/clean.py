@@ -251,20 +251,14 @@ def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progre
 
 def _account(rec, res, stages, drop, seen_exact, near, opts, writer) -> None:
     """Book one document through the stages after read, in order, and write it if kept."""
-    norm = stages["normalise"]
-    norm.docs_in += 1
-    norm.fixed.update(res["normalise"])
-    if res.get("drop", ("",))[0] == "normalise":
-        drop("normalise", res["drop"][1], rec.id)
-        return
-    norm.docs_out += 1
-    q = stages["quality"]
-    q.docs_in += 1
-    q.fixed.update(res.get("quality", {}))
-    if res.get("drop", ("",))[0] == "quality":
-        drop("quality", res["drop"][1], rec.id)
-        return
-    q.docs_out += 1
+    for name in ("normalise", "quality"):  # the per-document stages: counted fixes, or a drop
+        stage = stages[name]
+        stage.docs_in += 1
+        stage.fixed.update(res.get(name, {}))
+        if res.get("drop", ("",))[0] == name:
+            drop(name, res["drop"][1], rec.id)
+            return
+        stage.docs_out += 1
     ex = stages["exact_dedup"]
     ex.docs_in += 1
     if res["key"] is not None:

@@ -2,7 +2,7 @@
 
 ``PerplexityScorer(run_dir)`` reads the run's operative config (``RUN_DIR/config.gin``), its
 tokenizer, and the parameters of its newest checkpoint (``RUN_DIR/checkpoints/<step>/state``), or
-a parameter folder written by ``maxlm.checkpoint.save_params`` (``maxlm.hf import``) when given
+a parameter folder written by ``maxlm.train.checkpoint.save_params`` (``maxlm.hf import``) when given
 ``params_dir``. ``score(texts)`` returns each document's perplexity over its first ``max_tokens``
 tokens, computed on one device in fixed-shape batches (one compilation).
 """
@@ -49,20 +49,14 @@ class PerplexityScorer:
         self._fn = jax.jit(self._nll)
 
     def _nll(self, params, inputs, targets, weights):
-        import jax
         import jax.numpy as jnp
 
-        from maxlm.model import Transformer
+        from maxlm.model import forward, token_nll
 
         segment_ids = (weights > 0).astype(jnp.int32) | (jnp.arange(inputs.shape[1]) == 0)
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-        logits = Transformer(self.cfg.model).apply({"params": params}, inputs, segment_ids, positions)
-        logits = logits.astype(jnp.float32)
-        vocab = self.cfg.model.vocab_size
-        if logits.shape[-1] > vocab:  # vocabulary padding takes no probability
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -1e9)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        logits, _ = forward(self.cfg.model, params, inputs, segment_ids, positions)
+        nll, _ = token_nll(logits, targets, self.cfg.model.vocab_size)
         return jnp.sum(nll * weights, axis=1), jnp.sum(weights, axis=1)
 
     def score(self, texts: Iterable[str], total: int | None = None, progress: bool = False) -> np.ndarray:

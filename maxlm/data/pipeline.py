@@ -179,12 +179,6 @@ def _packed_docs(docs: grain.MapDataset, tokenizer: Tokenizer, *, seq_len: int,
         functools.partial(_row, pad_id=tokenizer.pad_id))
 
 
-def _packed_batches(docs: grain.MapDataset, tokenizer: Tokenizer, *, seq_len: int,
-                    rows: int) -> grain.IterDataset:
-    """(Kept for tests and notebooks) documents -> packed rows -> batches of ``rows``."""
-    return _packed_docs(docs, tokenizer, seq_len=seq_len).batch(rows, drop_remainder=True)
-
-
 def _open_packed(spec: SourceSpec, split: str, seq_len: int, tokenizer: Tokenizer):
     rows = PackedRows(spec.path, split)
     meta = rows.index["tokenizer"]

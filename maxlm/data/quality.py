@@ -254,19 +254,17 @@ def check(text: str, cfg: QualityConfig) -> tuple[str | None, str | None, dict]:
             return None, "long_line", stats
         if cfg.max_mean_line_chars and len(text) / len(nonblank) > cfg.max_mean_line_chars:
             return None, "long_lines_mean", stats
-    if cfg.max_dup_line_frac or cfg.max_dup_line_chars:
-        frac, chars = _repeated_fraction(nonblank)
-        if cfg.max_dup_line_frac and frac > cfg.max_dup_line_frac:
-            return None, "dup_lines", stats
-        if cfg.max_dup_line_chars and chars > cfg.max_dup_line_chars:
-            return None, "dup_line_chars", stats
-    if cfg.max_dup_para_frac or cfg.max_dup_para_chars:
-        paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-        frac, chars = _repeated_fraction(paras)
-        if cfg.max_dup_para_frac and frac > cfg.max_dup_para_frac:
-            return None, "dup_paragraphs", stats
-        if cfg.max_dup_para_chars and chars > cfg.max_dup_para_chars:
-            return None, "dup_paragraph_chars", stats
+    # Gopher's repetition checks, on lines and on paragraphs: (fraction, characters) repeated.
+    units = (("line", lambda: nonblank, cfg.max_dup_line_frac, cfg.max_dup_line_chars),
+             ("paragraph", lambda: [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()],
+              cfg.max_dup_para_frac, cfg.max_dup_para_chars))
+    for unit, split, max_frac, max_chars in units:
+        if max_frac or max_chars:
+            frac, chars = _repeated_fraction(split())
+            if max_frac and frac > max_frac:
+                return None, f"dup_{unit}s", stats
+            if max_chars and chars > max_chars:
+                return None, f"dup_{unit}_chars", stats
     if cfg.top_ngram_chars or cfg.dup_ngram_chars:
         measured = ngram_stats(words, [n for n, _ in cfg.top_ngram_chars], [n for n, _ in cfg.dup_ngram_chars])
         for n, bound in cfg.top_ngram_chars:

@@ -302,14 +302,6 @@ def stdlib_files(max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> TextFiles:
     return TextFiles("stdlib", root, sorted(relpaths), problems, max_doc_bytes)
 
 
-def glob_files(pattern: str, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> TextFiles:
-    spec = parse_source(pattern)
-    if spec.kind != "files":
-        spec = SourceSpec("files", pattern, text=pattern)
-    root, relpaths, problems = _list_files(spec, max_doc_bytes)
-    return TextFiles(spec.text, root, relpaths, problems, max_doc_bytes)
-
-
 class _Handles:
     """A small per-process cache of open file descriptors (closed least recently used first)."""
 

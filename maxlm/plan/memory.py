@@ -1,19 +1,23 @@
 """Per-device memory of one training step, from the config alone: the planner's memory model.
 
 Parameters, gradients and optimizer state are derived, not modelled: the real TrainState is built
-abstractly (``jax.eval_shape``) and sharded by ``maxlm.step.state_shardings`` over an
-``AbstractMesh`` of the config's degrees, so the bytes per device follow ``maxlm.sharding.RULES``
-and the real optimizer (AdamW keeps two moments, Lion one, Adafactor factored ones, which the
-rules leave replicated). Gradients are fp32 like the parameters, twice over with microbatches
-(the accumulator and the current microbatch's).
+abstractly (``maxlm.model.abstract_params``, ``jax.eval_shape``) and sharded by
+``maxlm.train.step.state_shardings`` over an ``AbstractMesh`` of the config's degrees, so the bytes
+per device follow ``maxlm.rules.RULES`` and the real optimizer (AdamW keeps two moments, Lion one,
+Adafactor factored ones, which the rules leave replicated). Gradients are fp32 like the
+parameters, twice over with microbatches (the accumulator and the current microbatch's).
 
 Activations are modelled per token: what autodiff keeps per layer under ``ModelConfig.remat``
 (``SAVED``), plus the larger of two transient peaks: the loss (logits in the compute dtype, and
 two fp32 arrays of their size: the upcast logits and their gradient) or one layer's backward
 (its recomputed forward, and XLA attention's [heads, T, T] softmax and score gradient in fp32;
-cuDNN's flash attention keeps only per-head statistics). Microbatches divide the tokens; a
-pipeline (planned, not built yet) keeps (microbatches + stages - 1) microbatches of its 1/stages
-of the layers in flight, as GPipe written as one scan does. ``workspace`` is held throughout: the
+cuDNN's flash attention keeps only per-head statistics). Gradient accumulation
+(``OptimConfig.microbatches``) divides the tokens and runs one microbatch at a time. A pipeline
+(``maxlm.parallel.pipeline_parallel``) splits each of those into ``MeshConfig.pipeline_microbatches``
+and runs one scan of ``Schedule.iterations`` = repeats * slots + stages - 1 iterations, each
+applying a stage's n_layers / (stages * repeats) layers to one pipeline microbatch, bubbles
+included: autodiff keeps all of them, plus the stage's microbatch buffer and its gradient; the
+head and the loss then run on the whole microbatch. ``workspace`` is held throughout: the
 embedding table gathered whole for the lookup (``maxlm.model`` gathers it) and its full-size fp32
 gradient, the output projection gathered over fsdp, and one layer's fsdp-gathered weights and
 unreduced gradient.
@@ -21,8 +25,10 @@ unreduced gradient.
 The per-token constants were fitted to XLA's buffer assignment of the real compiled step
 (``maxlm.plan --aot``, fake CPU devices): XLA's temporaries are 0.93-1.06x the estimate across
 remat policies, microbatches, optimizers, tensor and fsdp degrees for llama3_1b, llama3_8b,
-gpt2_124m and gpt175b (toy models, where fixed overheads dominate, read higher). They follow
-``maxlm.attention``'s XLA path: when that changes, rerun --aot and refit ``layer_tensors``.
+gpt2_124m and gpt175b (toy models, where fixed overheads dominate, read higher). Pipelined, a
+512-wide 8-layer model on 8 devices reads 0.95-1.09 with 2-4 pipeline microbatches (circular
+too), 1.10-1.18 with one. They follow
+``maxlm.model.attention``'s XLA path: when that changes, rerun --aot and refit ``layer_tensors``.
 """
 
 from __future__ import annotations
@@ -32,21 +38,22 @@ import functools
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from maxlm import optim, sharding, step
+from maxlm import model, rules
 from maxlm.config import Config
+from maxlm.parallel import pipeline_parallel
+from maxlm.train import optim, step
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def abstract_mesh(degrees: dict[str, int]) -> AbstractMesh:
     """A device-free mesh of the given degrees: enough for NamedSharding.shard_shape."""
-    return AbstractMesh(tuple(degrees[a] for a in sharding.MESH_AXES), sharding.MESH_AXES,
-                        axis_types=(AxisType.Auto,) * len(sharding.MESH_AXES))
+    return AbstractMesh(tuple(degrees[a] for a in rules.MESH_AXES), rules.MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(rules.MESH_AXES))
 
 
 def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
@@ -63,8 +70,8 @@ def state_bytes(cfg: Config, degrees: dict[str, int]) -> dict[str, int]:
     Also the per-layer share of each (``layer_*``: the part that scales with n_layers) and one
     layer's weights as the forward sees them (gathered over fsdp, still split over tensor)."""
     # Only the shapes matter: normalise what cannot change them, so planning variants is cheap.
-    model = dataclasses.replace(cfg.model, remat="none", attention_impl="xla")
-    key = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, steps=1))
+    shapes_only = dataclasses.replace(cfg.model, remat="none", attention_impl="xla")
+    key = dataclasses.replace(cfg, model=shapes_only, train=dataclasses.replace(cfg.train, steps=1))
     return dict(_state_bytes(key, tuple(sorted(degrees.items()))))
 
 
@@ -74,7 +81,7 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
     mesh = abstract_mesh(degrees)
     optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
     shardings = step.state_shardings(cfg, mesh, optimizer)
-    params = jax.eval_shape(lambda: nn.unbox(step._init_params(cfg, jax.random.PRNGKey(0))))
+    params = model.abstract_params(cfg.model)
     opt_state = jax.eval_shape(optimizer.init, params)
 
     def per_device(tree, shardings_tree):
@@ -134,9 +141,28 @@ def layer_tensors(cfg: Config, tensor: int) -> dict[str, float]:
 SAVED = {
     "none": ("x_in", "norm1", "qkv", "rope", "scores", "ctx", "x_mid", "norm2", "mlp_in", "mlp_hidden"),
     "save_dots": ("x_in", "qkv", "o_out", "mlp_in"),  # no-batch-dim matmul outputs that are needed
-    "save_named": ("x_in", "qkv", "o_out", "mlp_hidden"),  # maxlm.model.SAVED_NAMES
+    "save_named": ("x_in", "qkv", "o_out", "mlp_hidden"),  # maxlm.model.transformer.SAVED_NAMES
     "full": ("x_in",),
 }
+
+
+def effective_remat(cfg: Config, degrees: dict[str, int]) -> str:
+    """The remat policy as it acts: in a pipeline the stages run under ``vmap``, which gives every
+    matmul a batch dimension, so "save_dots" (``dots_with_no_batch_dims_saveable``) saves none of
+    them and recomputes like "full" (XLA's --aot memory agrees)."""
+    remat = cfg.model.remat
+    return "full" if remat == "save_dots" and degrees["pipeline"] > 1 else remat
+
+
+def pipeline_schedule(cfg: Config, degrees: dict[str, int]) -> pipeline_parallel.Schedule:
+    """The schedule the layer stack runs per optimizer microbatch: the pipeline's (stages, repeats,
+    MeshConfig.pipeline_microbatches, layers per stage and repeat), or one plain scan of n_layers."""
+    pipe, n_layers = degrees["pipeline"], cfg.model.n_layers
+    if pipe == 1:
+        return pipeline_parallel.Schedule(1, 1, 1, n_layers)
+    repeats = cfg.mesh.pipeline_repeats
+    return pipeline_parallel.Schedule(pipe, repeats, cfg.mesh.pipeline_microbatches,
+                                      pipeline_parallel.check(n_layers, pipe, repeats))
 
 
 def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
@@ -144,23 +170,32 @@ def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
     (see the module docstring for what each part holds)."""
     m, tc = cfg.model, cfg.train
     state = state_bytes(cfg, degrees)
-    micro, pipe = cfg.optim.microbatches, degrees["pipeline"]
+    micro = cfg.optim.microbatches  # gradient accumulation: one optimizer microbatch live at a time
     c, p = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.param_dtype]
     tokens = tc.global_batch // (degrees["data"] * degrees["fsdp"] * micro) * tc.seq_len
     tensors = layer_tensors(cfg, degrees["tensor"])
-    per_layer = sum(tensors[k] for k in SAVED[m.remat])
-    # GPipe as one scan over microbatches and stages keeps (micro + pipe - 1) iterations' worth.
-    in_flight = micro + pipe - 1 if pipe > 1 else 1
-    saved = tokens * per_layer * (m.n_layers // pipe) * in_flight
-    if m.remat == "none":  # the forward is already saved: only the backward's extra arrays
+    remat = effective_remat(cfg, degrees)
+    per_layer = sum(tensors[k] for k in SAVED[remat])
+    # Each layer application of the stack's scan is saved for the backward: a pipeline's are
+    # (iterations x layers per stage) on one pipeline microbatch each, bubble iterations included.
+    sched = pipeline_schedule(cfg, degrees)
+    layer_tokens = tokens // sched.microbatches
+    layer_calls = sched.iterations * sched.layers_per_stage
+    saved = layer_tokens * per_layer * layer_calls
+    # The pipeline's buffer of microbatch slots (its stage's copy) and that buffer's gradient.
+    buffer = 2 * sched.slots * layer_tokens * c * m.d_model if degrees["pipeline"] > 1 else 0
+    if remat == "none":  # the forward is already saved: only the backward's extra arrays
         layer_bwd = tensors["scores_backward"] - tensors["scores"] + 2 * tensors["x_in"]
     else:
         layer_bwd = tensors["scores_backward"] + sum(
             v for k, v in tensors.items() if k in SAVED["none"] and k != "scores")
+    if degrees["pipeline"] > 1:  # XLA keeps one more fp32 [heads, T, S] array live in a pipelined
+        layer_bwd += tensors["scores_backward"] / 2  # layer's backward (fitted with --aot)
     vocab = m.padded_vocab / degrees["tensor"]
     loss = 4 * c * m.d_model + (c + 8) * vocab  # logits (compute dtype) and two fp32 arrays
-    peak = "loss" if loss > layer_bwd else "layer_backward"
-    acts = saved + tokens * max(loss, layer_bwd)
+    # The head and the loss see the whole optimizer microbatch; a layer's backward one pipeline one.
+    peak = "loss" if tokens * loss > layer_tokens * layer_bwd else "layer_backward"
+    acts = saved + buffer + max(tokens * loss, layer_tokens * layer_bwd)
     table = m.padded_vocab * m.d_model * p
     work = 2 * table + table / degrees["tensor"] + 2 * state["one_layer_gathered"]
     grads = state["grads"] * (2 if micro > 1 else 1)  # microbatches: accumulator + this one's
@@ -168,7 +203,8 @@ def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
            "activations": int(acts), "workspace": int(work)}
     out["total"] = sum(out.values())
     out["detail"] = {
-        "peak_at": peak, "tokens_per_microbatch": tokens, "microbatches_in_flight": in_flight,
+        "peak_at": peak, "tokens_per_microbatch": tokens, "tokens_per_layer_call": layer_tokens,
+        "layer_calls_saved": layer_calls, "pipeline_buffer": int(buffer),
         "saved_bytes_per_token_per_layer": per_layer, "saved_activations": int(saved),
         "layer_backward_bytes_per_token": layer_bwd, "loss_bytes_per_token": loss,
         "layer_params": state["layer_params"], "layer_optimizer": state["layer_optimizer"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -59,3 +60,19 @@ def update_loss_scale(scale: jax.Array, good_steps: jax.Array, finite: jax.Array
     new_scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
     new_good = jnp.where(finite & ~grow, good_steps + 1, 0)
     return new_scale, new_good
+
+
+@flax.struct.dataclass
+class LossScale:
+    """The dynamic loss scale and the clean steps since it last changed."""
+
+    value: jax.Array
+    good_steps: jax.Array
+
+    @classmethod
+    def create(cls, value: float) -> "LossScale":
+        return cls(value=jnp.asarray(value, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
+
+    def update(self, finite: jax.Array) -> "LossScale":
+        value, good = update_loss_scale(self.value, self.good_steps, finite)
+        return LossScale(value=value, good_steps=good)

@@ -2,64 +2,37 @@
 
 Parameter names follow Hugging Face's (``q_proj``, ``gate_proj``, ...) so that import and export in
 ``maxlm.hf`` are a table, not a translation. Weights are stored in ``param_dtype`` (fp32) and cast
-to the compute ``dtype`` at use; norms, softmax and the loss run in fp32.
+to the compute ``dtype`` at use; norms, softmax and the loss run in fp32. Every weight matmul goes
+through ``maxlm.model.linear.Linear``; attention through ``maxlm.model.attention.attention``.
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import Any, Callable
+
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm.attention import attention
 from maxlm.config import ModelConfig
-from maxlm.sharding import constrain
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...],
-           init: nn.initializers.Initializer) -> jax.Array:
-    cfg: ModelConfig = module.cfg
-    return module.param(name, nn.with_logical_partitioning(init, names), shape,
-                        DTYPES[cfg.param_dtype])
+from maxlm.model.attention import Tokens, attention
+from maxlm.model.linear import Linear, param
+from maxlm.parallel.sharding import constrain
 
 
-class Proj(nn.Module):
-    """A linear map ``x[..., in] · W[in, out] (+ b[out])`` with multi-axis in and out shapes."""
+@flax.struct.dataclass
+class LayerContext:
+    """What every layer sees besides its input: the tokens' coordinates and, with a cache, where
+    the new keys and values go (``maxlm.model.cache``). Broadcast to all layers of the stack."""
 
-    cfg: ModelConfig
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    in_names: tuple[str, ...]
-    out_names: tuple[str, ...]
-    bias_names: tuple[str, ...] | None = None  # defaults to out_names
-    std: float | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg, dtype = self.cfg, DTYPES[self.cfg.dtype]
-        init = nn.initializers.normal(self.std if self.std is not None else cfg.init_std)
-        kernel = _param(self, "kernel", self.in_shape + self.out_shape,
-                        self.in_names + self.out_names, init)
-        # One 2-D matmul [tokens, in] · [in, out]: flattening the leading (batch, length) and the
-        # multi-axis in/out dims is free (row-major bitcasts) and keeps autodiff's weight gradient
-        # a plain [in, tokens] · [tokens, out] dot. With the dims left unflattened, XLA:CPU
-        # canonicalises that gradient by materialising a transposed copy of the output gradient,
-        # which cost more than the matmuls themselves (scripts/README.md).
-        n_in = len(self.in_shape)
-        lead = x.shape[:x.ndim - n_in]
-        y = jnp.dot(x.reshape(-1, math.prod(self.in_shape)).astype(dtype),
-                    kernel.reshape(math.prod(self.in_shape), -1).astype(dtype))
-        y = y.reshape(*lead, *self.out_shape)
-        if cfg.use_bias:
-            bias = _param(self, "bias", self.out_shape, self.bias_names or self.out_names,
-                          nn.initializers.zeros)
-            y = y + bias.astype(dtype)
-        return y
+    queries: Tokens
+    keys: Tokens | None = None  # None: the queries attend to themselves (no cache)
+    where: jax.Array | None = None  # the cache's write index for the new tokens
+    update_cache: Callable | None = flax.struct.field(pytree_node=False, default=None)
 
 
 class Norm(nn.Module):
@@ -71,11 +44,11 @@ class Norm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         x32 = x.astype(jnp.float32)
-        scale = _param(self, "scale", (cfg.d_model,), ("act_embed",), nn.initializers.ones)
+        scale = param(self, "scale", (cfg.d_model,), ("act_embed",), nn.initializers.ones)
         if cfg.norm == "rms":
             y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
             return (y * scale).astype(x.dtype)
-        bias = _param(self, "bias", (cfg.d_model,), ("act_embed",), nn.initializers.zeros)
+        bias = param(self, "bias", (cfg.d_model,), ("act_embed",), nn.initializers.zeros)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + cfg.norm_eps)
@@ -113,24 +86,30 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: LayerContext, layer_cache: Any = None) -> tuple[jax.Array, Any]:
         cfg = self.cfg
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+        positions = ctx.queries.positions
 
         def proj(name, heads, head_names):
-            p = Proj(cfg, (d,), (heads, h), ("embed",), (head_names, "head_dim"), name=name)
+            p = Linear(cfg, (d,), (heads, h), ("embed",), (head_names, "head_dim"), name=name)
             return constrain(checkpoint_name(p(x), name), ("batch", "length", head_names, "head_dim"))
 
         q, key, value = proj("q_proj", n, "heads"), proj("k_proj", k, "kv_heads"), proj("v_proj", k, "kv_heads")
         if cfg.position == "rope":
             inv_freq = rope_inv_freq(cfg)
             q, key = apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq)
-        ctx = attention(q, key, value, segment_ids, impl=cfg.attention_impl)
-        ctx = constrain(ctx, ("batch", "length", "heads", "head_dim"))
+        if layer_cache is not None:
+            layer_cache, key, value = ctx.update_cache(layer_cache, key, value, ctx.where)
+            key = constrain(key, ("batch", "cache_length", "kv_heads", "head_dim"))
+            value = constrain(value, ("batch", "cache_length", "kv_heads", "head_dim"))
+        out = attention(q, key, value, ctx.queries, ctx.keys, impl=cfg.attention_impl,
+                        sliding_window=cfg.sliding_window)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
         # GPT-2 scales the residual projections by 1/sqrt(2L) at init.
-        out = Proj(cfg, (n, h), (d,), ("heads", "head_dim"), ("embed",), bias_names=("act_embed",),
-                   std=cfg.init_std / math.sqrt(2 * cfg.n_layers), name="o_proj")(ctx)
-        return checkpoint_name(out, "o_proj")
+        out = Linear(cfg, (n, h), (d,), ("heads", "head_dim"), ("embed",), bias_names=("act_embed",),
+                   std=cfg.init_std / math.sqrt(2 * cfg.n_layers), name="o_proj")(out)
+        return checkpoint_name(out, "o_proj"), layer_cache
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -150,7 +129,7 @@ class Mlp(nn.Module):
         d, f = cfg.d_model, cfg.d_ff
 
         def up(name):
-            y = Proj(cfg, (d,), (f,), ("embed",), ("mlp",), name=name)(x)
+            y = Linear(cfg, (d,), (f,), ("embed",), ("mlp",), name=name)(x)
             return constrain(y, ("batch", "length", "mlp"))
 
         # The activation is recomputed in the backward pass from its inputs (jax.checkpoint):
@@ -161,17 +140,20 @@ class Mlp(nn.Module):
         else:
             hidden = jax.checkpoint(_gelu)(up("up_proj"))
         hidden = checkpoint_name(hidden, "mlp_hidden")
-        return Proj(cfg, (f,), (d,), ("mlp",), ("embed",), bias_names=("act_embed",),
+        return Linear(cfg, (f,), (d,), ("mlp",), ("embed",), bias_names=("act_embed",),
                     std=cfg.init_std / math.sqrt(2 * cfg.n_layers), name="down_proj")(hidden)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; the signature fits ``nn.scan`` (carry in, carry out)."""
+    """Pre-norm residual block. Fits ``nn.scan``: x is the carry, the layer's cache slice is
+    scanned in and out (None without a cache), the context is broadcast."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array):
-        x = x + Attention(self.cfg, name="attn")(Norm(self.cfg, name="attn_norm")(x), segment_ids, positions)
+    def __call__(self, x: jax.Array, ctx: LayerContext, layer_cache: Any = None) -> tuple[jax.Array, Any]:
+        attn, layer_cache = Attention(self.cfg, name="attn")(Norm(self.cfg, name="attn_norm")(x), ctx,
+                                                             layer_cache)
+        x = x + attn
         x = x + Mlp(self.cfg, name="mlp")(Norm(self.cfg, name="mlp_norm")(x))
-        return constrain(x, ("batch", "length", "act_embed")), None
+        return constrain(x, ("batch", "length", "act_embed")), layer_cache

@@ -1,4 +1,5 @@
-"""FLOP accounting, MFU, and the run's records: metrics.jsonl, TensorBoard events, loss.png."""
+"""The run's records (metrics.jsonl, TensorBoard events, loss.png, run.json) and the measured
+matmul peak MFU is taken against. FLOP accounting is ``maxlm.model.flops``."""
 
 from __future__ import annotations
 
@@ -11,28 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from maxlm.config import ModelConfig
-from maxlm.model import param_count
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: all but the lookup tables.
-
-    A tied embedding table is also the output projection, so it stays in."""
-    lookups = 0 if cfg.tie_embeddings else cfg.padded_vocab * cfg.d_model
-    if cfg.position == "learned":
-        lookups += cfg.max_seq_len * cfg.d_model
-    return param_count(cfg) - lookups
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·Q·T.
-
-    6N counts the forward (2N) and backward (4N) matmuls; the second term is attention's
-    score and context matmuls (L layers, H heads, Q head dim, T sequence length), not halved
-    for causality, as in PaLM. Rematerialisation is not counted (this is model FLOPs, for MFU)."""
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.dim_per_head * seq_len
 
 
 def measure_peak_flops(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:

@@ -39,22 +39,24 @@ Idle stage-iterations compute on stale data that never reaches the output; their
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxlm import sharding
-from maxlm.config import ModelConfig
+from maxlm.config import MeshConfig, ModelConfig
+from maxlm.parallel import sharding
+from maxlm.rules import RULES
 
 STAGE = "layers"  # the logical name of the stage axis: a stage is a group of layers
 
 
 def stage_axis() -> str | None:
     """The mesh axis that stages are split over: wherever the rules table sends ``layers``."""
-    target = sharding.RULES.get(STAGE)
+    target = RULES.get(STAGE)
     return target if isinstance(target, str) else None
 
 
@@ -103,16 +105,24 @@ def check(n_layers: int, degree: int, repeats: int) -> int:
     """Layers per stage and repeat; a ValueError (one line naming the values) if they don't divide."""
     if repeats < 1 or n_layers % (degree * repeats):
         raise ValueError(f"ModelConfig.n_layers = {n_layers} is not divisible by MeshConfig.pipeline * "
-                         f"ModelConfig.pipeline_repeats = {degree}*{repeats} = {degree * repeats}")
+                         f"MeshConfig.pipeline_repeats = {degree}*{repeats} = {degree * repeats}")
     return n_layers // (degree * repeats)
 
 
-def _layer_names(block: type[nn.Module], cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array,
-                 positions: jax.Array) -> Any:
+def layer_stack(mesh_cfg: MeshConfig, degree: int) -> Callable | None:
+    """The model's layer-stack runner for a mesh: this pipeline when ``degree`` > 1, else None
+    (the model's own scan). The step builder injects it into the model."""
+    if degree <= 1:
+        return None
+    return functools.partial(run, microbatches=mesh_cfg.pipeline_microbatches,
+                             repeats=mesh_cfg.pipeline_repeats)
+
+
+def _layer_names(block: type[nn.Module], cfg: ModelConfig, x: jax.Array, ctx: Any) -> Any:
     """Logical axis names of one layer's parameters (a tree like the layer's params)."""
     row = lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype)
-    boxed = jax.eval_shape(lambda a, b, c: block(cfg, parent=None).init(jax.random.PRNGKey(0), a, b, c),
-                           row(x), row(segment_ids), row(positions))["params"]
+    boxed = jax.eval_shape(lambda a, c: block(cfg, parent=None).init(jax.random.PRNGKey(0), a, c),
+                           row(x), jax.tree.map(row, ctx))["params"]
     return sharding.logical_specs(boxed)
 
 
@@ -142,21 +152,27 @@ def _round_robin(w: jax.Array, sched: Schedule, axis: str) -> jax.Array:
     return jax.shard_map(local, in_specs=spec, out_specs=spec, axis_names={axis})(w)
 
 
-def run(block: type[nn.Module], cfg: ModelConfig, params: Any, x: jax.Array, segment_ids: jax.Array,
-        positions: jax.Array) -> jax.Array:
+def run(block: type[nn.Module], cfg: ModelConfig, params: Any, x: jax.Array, ctx: Any, layer_cache: Any,
+        *, microbatches: int, repeats: int) -> tuple[jax.Array, None]:
     """The layer stack ``x[B, T, D] -> x[B, T, D]`` pipelined over the mesh's ``pipeline`` axis.
 
-    ``block`` is the layer class (``Block``, or ``nn.remat(Block, ...)``); ``params`` the stacked
-    layer parameters exactly as the plain ``nn.scan`` stores them (leaves ``[L, ...]``). A batch
-    that ``cfg.pipeline_microbatches`` does not divide (e.g. one row when sampling) runs
-    gcd(batch, pipeline_microbatches) microbatches: same result, larger bubble."""
-    stages, repeats, axis = degree(), cfg.pipeline_repeats, stage_axis()
+    The model's ``LayerStack`` signature: ``block`` is the layer class (``Block``, or
+    ``nn.remat(Block, ...)``); ``params`` the stacked layer parameters exactly as the plain
+    ``nn.scan`` stores them (leaves ``[L, ...]``); ``ctx`` the layers' ``LayerContext``. A batch
+    that ``microbatches`` does not divide (e.g. one row when sampling) runs gcd(batch,
+    microbatches) microbatches: same result, larger bubble. There is no pipelined KV cache:
+    generation runs on a mesh without a pipeline axis."""
+    if layer_cache is not None or ctx.keys is not None:
+        raise ValueError("pipeline parallelism runs the training forward only; generate with a KV cache "
+                         "on a mesh without a pipeline axis (MeshConfig.pipeline = 1)")
+    stages, axis = degree(), stage_axis()
     per_stage = check(cfg.n_layers, stages, repeats)
     batch = x.shape[0]
-    sched = Schedule(stages, repeats, math.gcd(batch, cfg.pipeline_microbatches), per_stage)
+    sched = Schedule(stages, repeats, math.gcd(batch, microbatches), per_stage)
     micro, slots = sched.microbatches, sched.slots
     params = nn.unbox(params)
-    names = _layer_names(block, cfg, x, segment_ids, positions)
+    names = _layer_names(block, cfg, x, ctx)
+    segment_ids, positions = ctx.queries.segments, ctx.queries.positions
 
     # W[L, ...] -> W[S, R, K, ...] with layer (r S + s) K + k at [s, r, k]; other dims keep their rules.
     def to_stages(w, layer_names):
@@ -178,7 +194,8 @@ def run(block: type[nn.Module], cfg: ModelConfig, params: Any, x: jax.Array, seg
     stage_ids = jnp.arange(stages)
 
     def one_layer(h, layer_params, seg, pos):
-        h, _ = block(cfg, parent=None).apply({"params": layer_params}, h, seg, pos)
+        layer_ctx = ctx.replace(queries=ctx.queries.replace(positions=pos, segments=seg))
+        h, _ = block(cfg, parent=None).apply({"params": layer_params}, h, layer_ctx)
         return h
 
     def stage_fn(stage_weights, h, seg, pos):  # one stage: its K layers in order
@@ -223,4 +240,4 @@ def run(block: type[nn.Module], cfg: ModelConfig, params: Any, x: jax.Array, seg
     buf = file_output(buf, shift(out), sched.iterations)
     # Stage 0's buffer holds the results: [M, B/M, T, D] -> [B, T, D], replicated over stages.
     y = buf[0, :micro].swapaxes(0, 1).reshape(x.shape)
-    return sharding.constrain(y, ("batch", "length", "act_embed"))
+    return sharding.constrain(y, ("batch", "length", "act_embed")), None

@@ -4,11 +4,15 @@ From the config alone, in seconds: parameters, FLOPs, per-device memory under th
 step time, GPU-hours, days and cost; with ``--aot``, the real ``train_step`` compiled on fake CPU
 devices shaped like that mesh, and XLA's memory analysis printed next to the estimate.
 
-FLOPs follow ``maxlm.metrics.flops_per_token`` (PaLM appendix B, the function training's MFU
+FLOPs follow ``maxlm.model.flops.flops_per_token`` (PaLM appendix B, the function training's MFU
 uses): 6N per token counts the forward (2N) and the backward (4N) matmuls once each, so the
 popular "6 x params x seq_len per sequence, x 2 for the backward" counts the backward twice.
 For GPT-3 175B and 300B tokens, 6ND = 3.14e23 (Brown et al. 2020); attention's 12.L.H.Q.T adds
-2.8% at sequence 2048. Memory comes from ``maxlm.plan_memory``.
+2.8% at sequence 2048. Memory comes from ``maxlm.plan.memory``.
+
+The mesh's divisibility rules are ``maxlm.config.mesh_problem`` (derived from ``maxlm.rules``), and
+a pipeline's bubble is ``maxlm.parallel.pipeline_parallel.bubble_fraction`` of MeshConfig.pipeline,
+pipeline_microbatches and pipeline_repeats: the numbers training checks and prints.
 
 ``--json`` prints one object with these keys (bytes are per device; FLOPs are totals):
   config, gpu, gpu_name, gpus, mesh {data, fsdp, tensor, pipeline},
@@ -28,6 +32,7 @@ For GPT-3 175B and 300B tokens, 6ND = 3.14e23 (Brown et al. 2020); attention's 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,8 +68,9 @@ EPILOG = """examples:
   python -m maxlm.plan --config=gpt175b.gin --aot --aot_layers=4   # 4 and 8 layers, scaled to 96
 
 --gpus defaults to the product of the config's mesh degrees, times 8 where one degree is -1.
-A pipeline degree above 1 is planned arithmetically (GPipe); training with it arrives with the
-pipeline work. Config mistakes print one line and exit with status 2."""
+A pipeline (MeshConfig.pipeline > 1) is planned as training runs it: its bubble, printed as
+training prints it, and its live activations follow MeshConfig.pipeline_microbatches and
+MeshConfig.pipeline_repeats. Config mistakes print one line and exit with status 2."""
 GB = 1e9
 HEADROOM = 0.9  # a suggested change must leave 10% of the GPU for XLA's workspace and fragmentation
 
@@ -122,18 +128,19 @@ def resolve(args: argparse.Namespace) -> tuple[config.Config, dict[str, int]]:
 
 
 def validate(cfg: config.Config, degrees: dict[str, int]) -> None:
-    """config.validate for a GPU plan: pipeline folded away (checked here), cudnn allowed."""
-    pipe = degrees["pipeline"]
-    if cfg.model.n_layers % pipe:
-        raise config.ConfigError(f"{cfg.source}: ModelConfig.n_layers = {cfg.model.n_layers} is not "
-                                 f"divisible by MeshConfig.pipeline = {pipe}")
-    flat = cfg.replace(mesh={"pipeline": 1}, model={"attention_impl": "xla"})
-    config.validate(flat, math.prod(degrees.values()) // pipe)
+    """config.validate for a GPU plan on a mesh of ``degrees``: the config's own checks (cudnn
+    allowed: planning needs no GPU), then ``config.mesh_problem``, the divisibility rules that
+    training checks (derived from ``maxlm.rules``)."""
+    config.validate(cfg.replace(model={"attention_impl": "xla"}) if cfg.model.attention_impl == "cudnn"
+                    else cfg)
+    problem = config.mesh_problem(cfg, degrees)
+    if problem:
+        raise config.ConfigError(f"{cfg.source}: {problem}")
 
 
 def recompute_flops_per_token(m: config.ModelConfig, seq_len: int) -> float:
     """Extra forward work the remat policy redoes in the backward (not counted in MFU)."""
-    from maxlm import metrics
+    from maxlm.model import flops as metrics
 
     attn_fwd = 4.0 * m.n_layers * m.n_heads * m.dim_per_head * seq_len
     if m.remat == "full":
@@ -141,26 +148,47 @@ def recompute_flops_per_token(m: config.ModelConfig, seq_len: int) -> float:
     return attn_fwd if m.remat in ("save_dots", "save_named") else 0.0
 
 
+def pipeline_bubble(cfg: config.Config, degrees: dict[str, int]) -> float:
+    """The idle fraction of the pipeline, as training computes and prints it (0 without one)."""
+    from maxlm.parallel import pipeline_parallel
+
+    return pipeline_parallel.bubble_fraction(degrees["pipeline"], cfg.mesh.pipeline_microbatches,
+                                             cfg.mesh.pipeline_repeats)
+
+
 def timing(cfg: config.Config, degrees: dict[str, int], gpu: dict, mfu: float) -> dict[str, float]:
-    from maxlm import metrics
+    from maxlm.model import flops as metrics
 
     tc, gpus = cfg.train, math.prod(degrees.values())
     tokens_per_step = tc.global_batch * tc.seq_len
-    pipe, micro = degrees["pipeline"], cfg.optim.microbatches
-    bubble = (pipe - 1) / (micro + pipe - 1)
+    bubble = pipeline_bubble(cfg, degrees)
     step_time = (metrics.flops_per_token(cfg.model, tc.seq_len) * tokens_per_step
                  / (mfu * gpu["peak_flops"] * gpus) / (1 - bubble))
     return {"pipeline_bubble": bubble, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
 
 
 def memory(cfg: config.Config, degrees: dict[str, int]) -> dict[str, Any]:
-    from maxlm import plan_memory
+    from maxlm.plan import memory as plan_memory
 
     return plan_memory.memory(cfg, degrees)
 
 
+def effective_remat(cfg: config.Config, degrees: dict[str, int]) -> str:
+    from maxlm.plan import memory as plan_memory
+
+    return plan_memory.effective_remat(cfg, degrees)
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def _pipeline_microbatches(cfg: config.Config, degrees: dict[str, int]) -> int:
+    """For a suggested pipeline: the most pipeline microbatches, up to 4 per stage, that divide the
+    rows each data*fsdp shard feeds the model per optimizer microbatch (at least the current)."""
+    rows = cfg.train.global_batch // (degrees["data"] * degrees["fsdp"] * cfg.optim.microbatches)
+    fitting = [k for k in _divisors(rows) if k <= 4 * degrees["pipeline"]]
+    return max([cfg.mesh.pipeline_microbatches, *fitting])
 
 
 def _fits(cfg: config.Config, degrees: dict[str, int], limit: float) -> tuple[bool, int]:
@@ -173,14 +201,17 @@ def _fits(cfg: config.Config, degrees: dict[str, int], limit: float) -> tuple[bo
 
 
 def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> list[dict[str, Any]]:
-    """For each kind of change (one field), the smallest that brings the per-device total under
-    ``limit``, computed with the same memory model; best first (least cost to throughput):
-    cuDNN attention, more microbatches, a stronger remat policy, more fsdp or pipeline stages
-    out of the data axis, more GPUs into fsdp."""
+    """For each kind of change (one field; pipeline stages with the pipeline microbatches they
+    need), the smallest that brings the per-device total under ``limit``, computed with the same
+    memory model; best first (least cost to throughput): cuDNN attention, more microbatches, a
+    stronger remat policy, more fsdp or pipeline stages out of the data axis, more GPUs into fsdp.
+    Which changes are valid is ``validate``'s (and so ``config.mesh_problem``'s) to say."""
     m, out = cfg.model, []
 
     def consider(change: dict[str, dict], new_degrees: dict[str, int], note: str) -> bool:
-        ok, total = _fits(cfg.replace(**change, mesh=new_degrees), new_degrees, limit)
+        mesh = {**change.get("mesh", {}), **new_degrees}
+        others = {k: v for k, v in change.items() if k != "mesh"}
+        ok, total = _fits(cfg.replace(**others, mesh=mesh), new_degrees, limit)
         if ok:
             cls = {"model": "ModelConfig", "optim": "OptimConfig", "mesh": "MeshConfig"}
             bindings = [f"{cls[s]}.{k}={v!r}" for s, kv in change.items() for k, v in kv.items()]
@@ -202,15 +233,24 @@ def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> li
     for policy, note in (("save_dots", "recomputes elementwise ops and attention"),
                          ("save_named", "recomputes elementwise ops, attention and one MLP matmul"),
                          ("full", "recomputes the whole forward: about +33% compute")):
-        smaller = memory(cfg.replace(model={"remat": policy}), degrees)["activations"] < current
-        if policy != m.remat and smaller and consider({"model": {"remat": policy}}, degrees, note):
+        new = cfg.replace(model={"remat": policy})
+        if policy == m.remat or effective_remat(new, degrees) != policy:  # save_dots in a pipeline
+            continue
+        if memory(new, degrees)["activations"] < current and consider({"model": {"remat": policy}},
+                                                                      degrees, note):
             break
-    for axis, note in (("fsdp", "ZeRO-3 over more devices: more all-gather/reduce-scatter traffic"),
-                       ("pipeline", "more pipeline stages: a larger bubble (planned arithmetically; "
-                                    "training arrives with the pipeline work)")):
-        for k in _divisors(degrees["data"]):
-            if consider({}, dict(degrees, data=degrees["data"] // k, **{axis: degrees[axis] * k}), note):
-                break
+    for k in _divisors(degrees["data"]):
+        if consider({}, dict(degrees, data=degrees["data"] // k, fsdp=degrees["fsdp"] * k),
+                    "ZeRO-3 over more devices: more all-gather/reduce-scatter traffic"):
+            break
+    for k in _divisors(degrees["data"]):
+        staged = dict(degrees, data=degrees["data"] // k, pipeline=degrees["pipeline"] * k)
+        micro = _pipeline_microbatches(cfg, staged)
+        change = {"mesh": {"pipeline_microbatches": micro}} if micro != cfg.mesh.pipeline_microbatches else {}
+        bubble = pipeline_bubble(cfg.replace(mesh={"pipeline_microbatches": micro}), staged)
+        if consider(change, staged, f"more pipeline stages, {micro} pipeline microbatches: a "
+                                    f"{bubble:.1%} bubble"):
+            break
     for k in (2, 4, 8, 16, 32, 64):
         if consider({}, dict(degrees, fsdp=degrees["fsdp"] * k),
                     f"{k}x the GPUs, all into fsdp: same GPU-hours, fewer days"):
@@ -221,7 +261,8 @@ def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> li
 def plan(cfg: config.Config, degrees: dict[str, int], gpu_key: str = "h100", tokens: float | None = None,
          mfu: float = 0.45, price: float | None = None) -> dict[str, Any]:
     """Everything the planner reports, as one JSON-ready dict (keys in the module docstring)."""
-    from maxlm import metrics, model
+    from maxlm import model
+    from maxlm.model import flops as metrics
 
     m, tc, gpu = cfg.model, cfg.train, GPUS[gpu_key]
     gpus = math.prod(degrees.values())
@@ -242,19 +283,26 @@ def plan(cfg: config.Config, degrees: dict[str, int], gpu_key: str = "h100", tok
     elif mem["total"] > HEADROOM * gpu["memory"]:
         warnings.append(f"per-device total {mem['total'] / GB:.1f} GB is within 10% of the "
                         f"{gpu['memory'] / GB:.0f} GB: little room for XLA's workspace and fragmentation")
+    remat = effective_remat(cfg, degrees)
+    if remat != m.remat:
+        warnings.append(f"ModelConfig.remat = {m.remat!r} recomputes like {remat!r} in a pipeline (its "
+                        "stages run under vmap, so every matmul has a batch dimension): use 'save_named'")
     if m.dtype == "float32":
         warnings.append("compute dtype is float32, but the peak FLOP/s are bf16 dense: expect far lower MFU")
     if degrees["pipeline"] > 1:
-        notes.append(f"pipeline = {degrees['pipeline']} is planned arithmetically (GPipe, bubble "
-                     f"{t['pipeline_bubble']:.1%} with {cfg.optim.microbatches} microbatches); "
-                     "training with it arrives with the pipeline work")
+        mc = cfg.mesh
+        notes.append(f"pipeline = {degrees['pipeline']}: GPipe"
+                     + (f", circular over {mc.pipeline_repeats} repeats" if mc.pipeline_repeats > 1 else "")
+                     + f", {mc.pipeline_microbatches} pipeline microbatch(es) per optimizer microbatch; "
+                     f"the step time includes its bubble {t['pipeline_bubble']:.1%}")
     return {
         "config": cfg.source, "gpu": gpu_key, "gpu_name": gpu["name"], "gpus": gpus, "mesh": degrees,
         "params": params, "matmul_params": metrics.matmul_params(m), "n_layers": m.n_layers,
         "seq_len": tc.seq_len, "global_batch": tc.global_batch, "microbatches": cfg.optim.microbatches,
         "tokens_per_step": tokens_per_step, "tokens": tokens, "steps": tokens / tokens_per_step,
         "flops_per_token": per_token, "attention_flops_per_token": attention,
-        "recompute_flops_per_token": recompute_flops_per_token(m, tc.seq_len),
+        "recompute_flops_per_token": recompute_flops_per_token(dataclasses.replace(m, remat=remat),
+                                                               tc.seq_len),
         "model_flops_6nd": 6.0 * params * tokens, "flops_with_attention": per_token * tokens,
         "memory": {k: v for k, v in mem.items() if k != "detail"}, "memory_detail": mem["detail"],
         "gpu_memory_bytes": gpu["memory"], "fits": fits,
@@ -271,7 +319,8 @@ def _compile(cfg: config.Config, degrees: dict[str, int], stock: bool) -> tuple[
     import jax
     import jax.numpy as jnp
 
-    from maxlm import optim, sharding, step
+    from maxlm.parallel import sharding
+    from maxlm.train import optim, step, tasks
 
     n = math.prod(degrees.values())
     mesh = sharding.make_mesh(degrees, jax.devices()[:n])
@@ -284,8 +333,8 @@ def _compile(cfg: config.Config, degrees: dict[str, int], stock: bool) -> tuple[
                              shapes, shardings)
         rows = (cfg.train.global_batch, cfg.train.seq_len)
         batch = {k: jax.ShapeDtypeStruct(rows, jnp.float32 if k == "weights" else jnp.int32,
-                                         sharding=sharding.batch_sharding(mesh)) for k in step.BATCH_KEYS}
-        train_step, _ = step.compile_steps(cfg, mesh, optimizer, shardings)
+                                         sharding=sh) for k, sh in step.batch_shardings(tasks.LM_BATCH, mesh).items()}
+        train_step, _ = tasks.lm_steps(cfg, mesh, optimizer, shardings)
         compiled = train_step.lower(state, batch).compile(
             compiler_options=None if stock else AOT_XLA_OPTIONS)
     seconds = time.perf_counter() - start
@@ -300,10 +349,14 @@ def _compile(cfg: config.Config, degrees: dict[str, int], stock: bool) -> tuple[
     return stats, seconds, upcast
 
 
-def _check_aot(cfg: config.Config, degrees: dict[str, int]) -> None:
-    if degrees["pipeline"] > 1:
-        raise config.ConfigError(f"{cfg.source}: --aot compiles the real train_step, which has no pipeline "
-                                 f"yet (MeshConfig.pipeline = {degrees['pipeline']}); plan without --aot")
+def _check_aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0) -> None:
+    """--aot_layers=K compiles K and 2K layers: both must suit the mesh (a pipeline's stages)."""
+    if 0 < layers and 2 * layers < cfg.model.n_layers:
+        for k in (layers, 2 * layers):
+            problem = config.mesh_problem(cfg.replace(model={"n_layers": k}), degrees)
+            if problem:
+                raise config.ConfigError(f"{cfg.source}: --aot_layers={layers} compiles {k} layers, "
+                                         f"but {problem}")
 
 
 def aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0, stock: bool = False) -> dict[str, Any]:
@@ -314,7 +367,7 @@ def aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0, stock: boo
     import jax
 
     n, m, notes = math.prod(degrees.values()), cfg.model, []
-    _check_aot(cfg, degrees)
+    _check_aot(cfg, degrees, layers)
     if jax.device_count() < n:
         raise config.ConfigError(f"--aot needs {n} devices but this process has {jax.device_count()}")
     if m.attention_impl == "cudnn":
@@ -383,7 +436,8 @@ def format_text(r: dict[str, Any]) -> str:
         f"{r['model_flops_6nd']:.4g}, flops_with_attention {r['flops_with_attention']:.4g}",
         "                (6N per token already counts the backward: 2N forward + 4N backward)",
         f"  memory/device {d['tokens_per_microbatch']:,} tokens per microbatch x {r['microbatches']} "
-        "microbatch(es)",
+        "microbatch(es)" + (f", {d['tokens_per_layer_call']:,} per pipeline microbatch"
+                            if mesh["pipeline"] > 1 else ""),
         f"    parameters  {_g(mem['params'])}",
         f"    gradients   {_g(mem['grads'])}"
         + ("  (accumulator + microbatch)" if r["microbatches"] > 1 else ""),
@@ -395,7 +449,8 @@ def format_text(r: dict[str, Any]) -> str:
         f"    total       {_g(mem['total'])} of {_g(r['gpu_memory_bytes'])}: "
         + ("fits" if r["fits"] else "DOES NOT FIT"),
         f"  time          at {r['mfu']:.0%} MFU of {r['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s: step "
-        f"{r['step_time_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s",
+        f"{r['step_time_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s"
+        + (f", pipeline bubble {r['pipeline_bubble']:.1%}" if mesh["pipeline"] > 1 else ""),
         f"  cost          {r['gpu_hours']:,.0f} GPU-hours, {r['days']:,.1f} days on {r['gpus']} GPUs, "
         f"${r['cost_usd']:,.0f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour",
     ]
@@ -443,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, degrees = resolve(args)
         if args.aot:
-            _check_aot(cfg, degrees)
+            _check_aot(cfg, degrees, args.aot_layers)
             rc = _ensure_devices(math.prod(degrees.values()), argv)
             if rc is not None:
                 return rc
@@ -456,7 +511,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(json.dumps(result, indent=1) if args.json else format_text(result))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

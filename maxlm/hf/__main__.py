@@ -1,0 +1,5 @@
+import sys
+
+from maxlm.hf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,115 @@
+"""The decoder-only transformer: one forward for training, prefill and decode.
+
+``Transformer(cfg).apply({"params": p}, tokens, segment_ids, positions, cache)`` returns
+``(logits, cache)``. Without a cache it is the training forward over whole sequences; with a
+``maxlm.model.cache`` cache the tokens are written at their positions and attend over everything
+the cache holds (prefill is a long write, decode a write of one token per row). Layers are one
+``Block`` with parameters stacked on a leading ``layers`` axis; how that stack is executed is
+injected: ``stack=None`` scans it (compile time independent of depth), and the step builder passes
+``maxlm.parallel.pipeline_parallel``'s runner when the mesh has a pipeline axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxlm.config import ModelConfig
+from maxlm.model.attention import Tokens
+from maxlm.model.layers import Block, LayerContext, Norm
+from maxlm.model.linear import DTYPES, Linear, param
+from maxlm.parallel.sharding import constrain
+
+# What "save_named" keeps for the backward pass: the projections, so only cheap elementwise work
+# and attention scores are recomputed.
+SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_hidden")
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer but its input
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_named": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
+}
+
+# A layer-stack runner: (block class, cfg, stacked params, x, context, stacked cache) -> (x, cache).
+LayerStack = Callable[[type, ModelConfig, Any, jax.Array, LayerContext, Any], tuple[jax.Array, Any]]
+
+
+def block_class(cfg: ModelConfig) -> type[nn.Module]:
+    """``Block``, wrapped in ``nn.remat`` with the configured policy."""
+    if cfg.remat == "none":
+        return Block
+    return nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    stack: LayerStack | None = None  # None: nn.scan over the layers
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, cache: Any = None) -> tuple[jax.Array, Any]:
+        """tokens [B, T] int -> (logits [B, T, padded_vocab] in the compute dtype, cache)."""
+        cfg = self.cfg
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        table = param(self, "embed", (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"),
+                      nn.initializers.normal(cfg.init_std))
+        # Gather the whole table for the lookup (as FSDP does for every weight): a gather from a
+        # vocab-sharded table would force XLA to replicate its output and re-split it by batch.
+        x = jnp.take(constrain(table, (None, None)), tokens, axis=0).astype(DTYPES[cfg.dtype])
+        if cfg.position == "learned":
+            pos_table = param(self, "pos_embed", (cfg.max_seq_len, cfg.d_model), ("length", "embed"),
+                              nn.initializers.normal(cfg.init_std / 2))
+            x = x + jnp.take(pos_table, positions, axis=0).astype(x.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+
+        queries = Tokens(positions=positions, segments=segment_ids)
+        if cache is None:
+            ctx, layer_cache = LayerContext(queries), None
+        else:
+            cache, keys, where = cache.write(queries)
+            ctx = LayerContext(queries, keys, where, type(cache).update_layer)
+            layer_cache = cache.layers()
+        x, layer_cache = self.layers(x, ctx, layer_cache)
+        if cache is not None:
+            cache = cache.with_layers(layer_cache)
+        x = Norm(cfg, name="final_norm")(x)
+        head = Linear(cfg, (cfg.d_model,), (cfg.padded_vocab,), ("embed",), ("vocab",), name="lm_head")
+        logits = head(x, tied=table.T if cfg.tie_embeddings else None)
+        return constrain(logits, ("batch", "length", "vocab")), cache
+
+    def layers(self, x: jax.Array, ctx: LayerContext, layer_cache: Any) -> tuple[jax.Array, Any]:
+        """The stacked layers, scanned here or run by the injected ``stack``."""
+        cfg, block = self.cfg, block_class(self.cfg)
+        if self.stack is not None and not self.is_initializing():
+            return self.stack(block, cfg, self.variables["params"]["layers"], x, ctx, layer_cache)
+        scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, 0), length=cfg.n_layers,
+                       metadata_params={nn.PARTITION_NAME: "layers"})
+        return scan(cfg, name="layers")(x, ctx, layer_cache)
+
+
+def forward(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, cache: Any = None,
+            stack: LayerStack | None = None) -> tuple[jax.Array, Any]:
+    """The model as a pure function of its parameters: ``(logits, cache)``."""
+    return Transformer(cfg, stack).apply({"params": params}, tokens, segment_ids, positions, cache)
+
+
+def abstract_params(cfg: ModelConfig, boxed: bool = False) -> Any:
+    """The parameter tree as ShapeDtypeStructs (nothing allocated); ``boxed`` keeps the logical
+    axis names (``nn.LogicallyPartitioned``) for shardings."""
+    def init():
+        tree = Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
+        return tree if boxed else nn.unbox(tree)
+    return jax.eval_shape(init)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Randomly initialised parameters (plain arrays; jit it with out_shardings to place them)."""
+    return nn.unbox(Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"])

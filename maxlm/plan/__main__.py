@@ -1,0 +1,5 @@
+import sys
+
+from maxlm.plan.planner import main
+
+sys.exit(main())

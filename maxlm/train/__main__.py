@@ -1,0 +1,5 @@
+import sys
+
+from maxlm.train.pretrain import main
+
+sys.exit(main())

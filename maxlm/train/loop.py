@@ -1,0 +1,326 @@
+"""The training loop, for any task: data, eval, checkpoints, preemption, rollback, metrics, progress.
+
+``run(cfg, task, mesh)`` restores the latest good checkpoint (or ``resume_from``, or initialises),
+then steps until ``TrainConfig.steps``: every ``log_every`` steps it logs the window's mean loss,
+every ``eval_every`` it evaluates, and it saves as ``CheckpointConfig`` says, on preemption and at
+the end. Everything inside jit is in ``maxlm.train.step``; this file holds the side effects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from maxlm import model
+from maxlm.config import Config, operative_gin
+from maxlm.train import checkpoint, metrics, optim, step
+from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
+from maxlm.train.tasks import Task
+
+
+def say(msg: str) -> None:
+    if jax.process_index() == 0:
+        tqdm.write(msg)
+
+
+def _test_nan_steps() -> set[int]:
+    """Fault injection for tests: MAXLM_TEST_NAN_STEPS=5,9 poisons the batches of those steps."""
+    return {int(s) for s in os.environ.get("MAXLM_TEST_NAN_STEPS", "").split(",") if s.strip()}
+
+
+def _previous_progress(run_dir: Path) -> int:
+    """The last step an earlier process of this run logged (steps past the checkpoint are redone)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def _resume_source(cfg: Config, ckpt, resume_from: str) -> tuple[Any, int | None]:
+    """(checkpointer, step) named by --resume_from: STEP, RUN_DIR or RUN_DIR/checkpoints/STEP
+    (step None: that run's latest good one)."""
+    if resume_from.isdigit():
+        return ckpt, int(resume_from)
+    path = Path(resume_from).expanduser().resolve()
+    if (path / "checkpoints").is_dir():
+        return checkpoint.Checkpointer(path, cfg.checkpoint, log=say), None
+    if not (path.name.isdigit() and path.is_dir()):
+        raise TrainingError(f"--resume_from={resume_from}: expected STEP, RUN_DIR or RUN_DIR/checkpoints/STEP")
+    return checkpoint.Checkpointer(path.parent.parent, cfg.checkpoint, log=say), int(path.name)
+
+
+def _restore(cfg, ckpt, resume_from, abstract, shardings):
+    """(step, state, data_state, source) from --resume_from or the latest good checkpoint; None if none."""
+    if resume_from is None:
+        found = ckpt.restore_latest_good(abstract, shardings) if ckpt else None
+        return None if found is None else (*found[:3], ckpt.directory / str(found[0]))
+    source, step_n = _resume_source(cfg, ckpt, resume_from)
+    if step_n is None:
+        found = source.restore_latest_good(abstract, shardings)
+        if found is None:
+            raise TrainingError(f"--resume_from={resume_from}: no usable checkpoint in {source.directory}")
+        return (*found[:3], source.directory / str(found[0]))
+    if source is None or step_n not in source.steps():
+        raise TrainingError(f"--resume_from={resume_from}: no checkpoint of step {step_n}")
+    problem = source.problem(step_n)
+    if problem:
+        raise TrainingError(f"--resume_from={resume_from}: checkpoint {source.directory / str(step_n)} is {problem}")
+    state, data_state, _ = source.restore(step_n, abstract, shardings)
+    if ckpt is not None:
+        ckpt.supersede_after(step_n if source is ckpt else -1)
+    return step_n, state, data_state, source.directory / str(step_n)
+
+
+def _window_metrics(fetched: list[dict]) -> dict[str, float]:
+    """What one logging window reports: the mean loss over its applied steps (the trend, not the
+    last step's noise), the last grad norm, learning rate and loss scale, and the skips."""
+    kept = [float(m["loss"]) for m in fetched if not int(m["skipped"])]
+    loss = float(np.mean(kept)) if kept else float("nan")
+    last = fetched[-1]
+    out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)) if kept else float("nan"),
+           "grad_norm": float(last["grad_norm"]), "lr": float(last["lr"]),
+           "skipped": int(sum(int(m["skipped"]) for m in fetched)), "loss_scale": float(last["loss_scale"])}
+    extra = [k for k in last if k not in ("loss", "grad_norm", "lr", "skipped", "spike", "bad_streak",
+                                          "loss_scale", "tokens")]
+    out.update({k: float(np.mean([float(m[k]) for m in fetched])) for k in extra})
+    return out
+
+
+class Loop:
+    """One run of a task. ``run()`` returns the summary; see the module docstring."""
+
+    def __init__(self, cfg: Config, task: Task, mesh: Mesh):
+        self.cfg, self.task, self.mesh, tc = cfg, task, mesh, cfg.train
+        self.goodput = Goodput()
+        self.run_dir = Path(tc.run_dir).expanduser()
+        self.tokens_per_step = tc.global_batch * tc.seq_len
+        self.optimizer = optim.make_optimizer(cfg.optim, tc.steps)
+        self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable)
+        self.ckpt = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint, log=say) if cfg.checkpoint.enabled else None
+        self.eval_losses: list[tuple[int, float]] = []
+        self.steps_run = self.redone = 0
+
+    def prepare_run_dir(self, fresh: bool) -> int:
+        """Set old checkpoints aside on --fresh, write the operative config; returns the last logged step."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if fresh and (self.run_dir / "checkpoints").exists() and jax.process_index() == 0:
+            aside = self.run_dir / f"checkpoints_replaced_{time.strftime('%Y%m%d-%H%M%S')}"
+            (self.run_dir / "checkpoints").rename(aside)
+            say(f"--fresh: moved the existing checkpoints to {aside}")
+        previous = _previous_progress(self.run_dir)
+        if jax.process_index() == 0:
+            (self.run_dir / "config.gin").write_text(operative_gin(self.cfg))
+        return previous
+
+    def start_state(self, resume_from: str | None) -> tuple[int, Any, bool]:
+        """(first step, state, restored?) from a checkpoint, TrainConfig.init_params, or random."""
+        cfg, tc = self.cfg, self.cfg.train
+        self.abstract = jax.eval_shape(lambda: step.init_state(cfg, self.optimizer, self.shardings,
+                                                               trainable=self.task.trainable))
+        restored = _restore(cfg, self.ckpt, resume_from, self.abstract, self.shardings)
+        if restored is not None:
+            first, state, data_state, source = restored
+            try:
+                self.batches.set_state(data_state)
+            except ValueError as err:  # the pipeline refuses a state saved under another data config
+                raise TrainingError(f"cannot resume the data pipeline from {source}: {err}") from None
+            say(f"resuming from {source} (step {first})")
+            self.recorder.event(first, "resume", source=str(source), redo_steps=max(self.previous - first, 0))
+            return first, state, True
+        params = None
+        if tc.init_params:
+            params = checkpoint.restore_params(tc.init_params, self.abstract.params, self.shardings.params)
+            say(f"initialised parameters from {tc.init_params}")
+        return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable), False
+
+    def describe(self, first: int) -> None:
+        cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
+        from maxlm.parallel import pipeline_parallel
+
+        n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        self.flops_per_token = model.flops_per_token(cfg.model, tc.seq_len)
+        self.peak = tc.peak_flops or metrics.measure_peak_flops(cfg.model.dtype)
+        bubble = pipeline_parallel.bubble_fraction(mesh.shape["pipeline"], cfg.mesh.pipeline_microbatches,
+                                                   cfg.mesh.pipeline_repeats)
+        self.recorder.record_run({"config": cfg.source, "task": self.task.name, "params": n_params,
+                                  "devices": jax.device_count(), "mesh": dict(mesh.shape),
+                                  "peak_flops_per_device": self.peak, "flops_per_token": self.flops_per_token,
+                                  "pipeline_bubble": bubble})
+        if first >= tc.steps:
+            say(f"{self.run_dir} is already at step {first} of {tc.steps}: nothing to train "
+                "(raise TrainConfig.steps to continue, or pick a new --run_dir)")
+        say(f"maxlm: {self.task.name}, {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
+            f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {self.run_dir}"
+            + (f", pipeline bubble {bubble:.1%}" if mesh.shape["pipeline"] > 1 else ""))
+
+    def evaluate(self, at_step: int) -> float:
+        """Evaluate and log; returns the seconds it took (not training throughput)."""
+        jax.block_until_ready(self.state)  # finish pending steps first: their time is training's
+        start = time.perf_counter()
+        with self.goodput.timed("eval"):
+            total = weight = 0.0
+            for batch in self.eval_data:
+                loss_sum, w = jax.device_get(self.eval_step(self.state.params, batch))
+                total, weight = total + float(loss_sum), weight + float(w)
+            loss = total / max(weight, 1.0)
+        self.eval_losses.append((at_step, loss))
+        self.recorder.log(at_step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
+        say(f"step {at_step}: eval loss {loss:.4f}")
+        return time.perf_counter() - start
+
+    def save(self, at_step: int) -> float:
+        """Start a checkpoint; returns the seconds the loop was blocked."""
+        jax.block_until_ready(self.state)
+        start = time.perf_counter()
+        with self.goodput.timed("checkpoint"):
+            self.ckpt.save(at_step, self.state, self.batches.get_state(), self.cfg.to_dict(),
+                           {"tokens_seen": at_step * self.tokens_per_step})
+        return time.perf_counter() - start
+
+    def log_window(self, done: int, window: list, timed: int, elapsed: float) -> None:
+        fetched = jax.device_get(window)  # waits for the window's steps to finish
+        logged = _window_metrics(fetched)
+        self.last_loss = logged["loss"]
+        if timed:
+            tokens_per_s = timed * self.tokens_per_step / elapsed
+            logged.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / timed,
+                          mfu=tokens_per_s * self.flops_per_token / (self.peak * jax.device_count()))
+            self.progress.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                      mfu=f"{logged['mfu']:.1%}")
+        self.recorder.log(done, logged)
+        for offset, m in enumerate(fetched):
+            if int(m["skipped"]):
+                at = done - len(fetched) + offset + 1
+                reason = "spike" if int(m["spike"]) else "non-finite"
+                self.recorder.event(at, "skipped_step", reason=reason, step_loss=float(m["loss"]),
+                                    step_grad_norm=float(m["grad_norm"]))
+                say(f"step {at}: skipped the update ({reason} loss {float(m['loss']):.4g}, "
+                    f"grad norm {float(m['grad_norm']):.4g})")
+        self.window_fetched = fetched
+
+    def restore_before(self, before: int) -> tuple[int, Any] | None:
+        """(step, state) of the newest good checkpoint before a step, for rollbacks."""
+        with self.goodput.timed("checkpoint"):
+            self.ckpt.wait()
+            found = self.ckpt.restore_latest_good(self.abstract, self.shardings, before=before)
+        return None if found is None else found[:2]
+
+    def roll_back(self, done: int) -> int:
+        # The model goes back; the data stream does not (as in PaLM): the batches that led into
+        # the divergence are skipped rather than replayed.
+        back, self.state = self.rollback(done, str(self.run_dir / "metrics.jsonl"))
+        lr_scale = float(self.state.guard.lr_scale)
+        self.recorder.event(done, "rollback", to_step=back, lr_scale=lr_scale)
+        say(f"step {done}: {self.cfg.train.rollback_after} bad steps in a row; rolled back to step {back} "
+            f"with the learning rate scaled by {lr_scale:.3g}; skipping the {done - back} batches since")
+        self.progress.n = back
+        self.progress.refresh()
+        return back
+
+    def train(self, first: int, redo_until: int) -> tuple[int, str | None]:
+        """Step from ``first`` to TrainConfig.steps; returns (last step, preemption signal or None)."""
+        tc, nan_steps = self.cfg.train, _test_nan_steps()
+        window, timed, done, preempted = [], 0, first, None
+        t_window = time.perf_counter()
+        while done < tc.steps:
+            with self.goodput.timed("data"):
+                batch = next(self.batches)
+            if done + 1 in nan_steps:  # each injected fault fires once
+                nan_steps.discard(done + 1)
+                key = self.task.weight_key
+                batch = {**batch, key: batch[key] * np.float32("nan")}
+            self.state, step_metrics = self.train_step(
+                self.state, step.device_batch(batch, self.mesh, self.task.batch_spec))
+            window.append(step_metrics)
+            done += 1
+            self.steps_run += 1
+            timed += self.steps_run > 1  # the first step's time is compilation, not throughput
+            self.redone += done <= redo_until
+            self.progress.update(1)
+            if self.steps_run == 1:
+                jax.block_until_ready(self.state)
+                self.goodput.add("startup", time.perf_counter() - self.goodput.start - sum(self.goodput.seconds.values()))
+                t_window = time.perf_counter()
+            if done % tc.log_every == 0 or done == tc.steps:
+                self.log_window(done, window, timed, max(time.perf_counter() - t_window, 1e-9))
+                window, timed, t_window = [], 0, time.perf_counter()
+                if self.rollback.due(self.window_fetched):
+                    redo_until, done = max(redo_until, done), self.roll_back(done)
+                    continue
+            if done % tc.eval_every == 0 or done == tc.steps:
+                t_window += self.evaluate(done)  # evaluation time is not training throughput
+            if self.preemption.requested(done):
+                preempted = self.preemption.signal_name or "preemption notice"
+            if self.ckpt and (self.ckpt.due(done) or done == tc.steps or preempted):
+                t_window += self.save(done)
+            if preempted:
+                break
+        return done, preempted
+
+    def run(self, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
+        cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
+        self.previous = self.prepare_run_dir(fresh)
+        self.recorder = metrics.RunRecorder(self.run_dir)
+        self.batches = self.task.train_batches()
+        self.rollback = Rollback(tc, self.restore_before)
+        self.last_loss = float("nan")
+        with jax.set_mesh(mesh), Preemption() as self.preemption:
+            first, self.state, restored = self.start_state(resume_from)
+            redo_until = max(self.previous, first) if restored else 0
+            self.train_step, self.eval_step = step.compile_steps(
+                cfg, mesh, self.optimizer, self.shardings, self.task.loss_fn, self.task.batch_spec,
+                self.task.trainable)
+            self.eval_data = [step.device_batch(b, mesh, self.task.batch_spec) for b in self.task.eval_batches()]
+            self.describe(first)
+            if first == 0 and first < tc.steps:
+                self.evaluate(0)  # the baseline the run is judged against
+            self.progress = tqdm(total=tc.steps, initial=first, desc=self.task.name,
+                                 disable=jax.process_index() != 0, dynamic_ncols=True)
+            done, preempted = self.train(first, redo_until)
+            self.progress.close()
+            self.batches.close()
+            if self.ckpt:
+                with self.goodput.timed("checkpoint"):
+                    self.ckpt.close()  # waits for the last save: never exit with a checkpoint in flight
+            text = self.finish(done, preempted)
+        return self.summary(first, done, preempted, text)
+
+    def finish(self, done: int, preempted: str | None) -> str:
+        """Report a preemption, or print the task's closing sample."""
+        if preempted:
+            self.recorder.event(done, "preempted", signal=preempted)
+            where = f"saved step {done} in {self.ckpt.directory}" if self.ckpt else "checkpoints are disabled: nothing saved"
+            say(f"stopped by {preempted} after step {done}: {where}; rerun the same command to resume")
+            return ""
+        if self.task.sample is None:
+            return ""
+        text = self.task.sample(self.state.params)
+        say("sample:\n" + text)
+        return text
+
+    def summary(self, first: int, done: int, preempted: str | None, text: str) -> dict[str, Any]:
+        account = self.goodput.summary(self.steps_run, self.redone)
+        self.recorder.log(done, {f"goodput/{k}": v for k, v in account.items()})
+        plot = self.recorder.plot()
+        self.recorder.close()
+        breakdown = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in account.items() if k.endswith("_s") and k != "wall_s")
+        say(f"done: steps {first}->{done} in {account['wall_s']:.1f}s, goodput {account['goodput']:.1%} ({breakdown})")
+        return {"run_dir": str(self.run_dir), "first_step": first, "last_step": done, "loss": self.last_loss,
+                "eval_losses": self.eval_losses, "skipped_steps": int(self.state.guard.skipped),
+                "rollbacks": self.rollback.count, "preempted": preempted, "sample": text, "goodput": account,
+                "loss_png": str(plot) if plot else None}
+
+
+def run(cfg: Config, task: Task, mesh: Mesh, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Train ``task`` as ``cfg`` says on ``mesh`` (resuming if the run directory has checkpoints)."""
+    return Loop(cfg, task, mesh).run(resume_from, fresh)

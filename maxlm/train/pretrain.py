@@ -1,0 +1,76 @@
+"""``python -m maxlm.train --config=tiny.gin``: pre-train a model as configured.
+
+``train`` builds the mesh, the pre-training task and the loop, and runs it; the loop
+(``maxlm.train.loop``) and the step (``maxlm.train.step``) are shared with every other task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+import jax
+
+from maxlm import config
+from maxlm.parallel import distributed, sharding
+from maxlm.train import checkpoint, loop, step, tasks
+from maxlm.train.resilience import TrainingError
+
+EPILOG = """examples:
+  python -m maxlm.train --config=tiny.gin
+  python -m maxlm.train --config=tiny.gin --run_dir=runs/lr1e-3 --gin_bindings='OptimConfig.learning_rate=1e-3'
+  python -m maxlm.train --config=gpt2_124m.gin --gin_bindings='MeshConfig.fsdp=8' --gin_bindings='MeshConfig.data=1'
+
+A bare config name is looked up in configs/. Rerunning with the same --run_dir resumes from its
+latest good checkpoint. SIGTERM or Ctrl-C saves and exits 0; rerun the command to continue.
+Watch a run with: tensorboard --logdir RUN_DIR/tensorboard"""
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m maxlm.train", description=__doc__.splitlines()[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny.gin", help="gin file, or a bare name in configs/ (default: tiny.gin)")
+    p.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
+                   help="override one field, e.g. 'TrainConfig.steps=100' (repeatable)")
+    p.add_argument("--run_dir", help="where checkpoints and records go (overrides TrainConfig.run_dir)")
+    p.add_argument("--resume_from", metavar="STEP|PATH",
+                   help="restore this step of the run directory, or a checkpoint path "
+                        "(RUN_DIR or RUN_DIR/checkpoints/STEP), instead of the latest")
+    p.add_argument("--fresh", action="store_true",
+                   help="start from scratch even if the run directory holds checkpoints "
+                        "(they are moved aside, never deleted)")
+    distributed.add_flags(p)
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> config.Config:
+    bindings = list(args.gin_bindings)
+    if args.run_dir:
+        bindings.append(f"TrainConfig.run_dir = {str(args.run_dir)!r}")
+    return config.load(args.config, bindings, num_devices=jax.device_count())
+
+
+def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Run (or resume) pre-training as configured; returns a summary of the run."""
+    mesh = sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
+    task = tasks.pretraining(cfg, step.model_forward(cfg, mesh))
+    return loop.run(cfg, task, mesh, resume_from=resume_from, fresh=fresh)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        distributed.initialize(args)  # before anything touches a device
+        cfg = load_config(args)
+        train(cfg, resume_from=args.resume_from, fresh=args.fresh)
+    except config.ConfigError as err:
+        print(f"maxlm.train: config error: {err}", file=sys.stderr)
+        return 2
+    except distributed.DistributedError as err:
+        print(f"maxlm.train: {err}", file=sys.stderr)
+        return 2
+    except (checkpoint.CheckpointError, TrainingError) as err:
+        print(f"maxlm.train: error: {err}", file=sys.stderr)
+        return 1
+    return 0

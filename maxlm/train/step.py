@@ -1,0 +1,218 @@
+"""The pure training step, for any task: ``train_step(state, batch) -> (state, metrics)``.
+
+A task supplies ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux)`` (``maxlm.train.tasks``);
+this module turns it into one jitted update with explicit in/out shardings and the state donated.
+What every task shares lives here once: microbatch accumulation, dynamic loss scaling, the bad-step
+guard (``maxlm.train.resilience``), clipping (in the optimizer), and a trainable mask: frozen
+parameters are not differentiated, have no optimizer state and never change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxlm import model
+from maxlm.config import Config
+from maxlm.parallel import pipeline_parallel, sharding
+from maxlm.train import optim, resilience
+
+LossFn = Callable[[Any, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # batches consumed, skipped ones included
+    params: Any  # the whole model, frozen parts included
+    opt_state: Any  # for the trainable parameters only
+    loss_scale: optim.LossScale  # dynamic loss scale (1.0 unless the compute dtype is float16)
+    guard: resilience.Guard  # the bad-step guard's counters and statistics
+
+
+def model_forward(cfg: Config, mesh: Mesh) -> Callable:
+    """``forward(params, tokens, segment_ids, positions, cache)`` for this mesh: the layer stack
+    runs as a pipeline when the mesh has a pipeline axis, as a scan otherwise."""
+    stack = pipeline_parallel.layer_stack(cfg.mesh, mesh.shape["pipeline"])
+
+    def forward(params, tokens, segment_ids=None, positions=None, cache=None):
+        return model.forward(cfg.model, params, tokens, segment_ids, positions, cache, stack=stack)
+    return forward
+
+
+# ---- the trainable mask: a tree of bools like the params; None marks the other part's leaves
+
+
+def split(params: Any, mask: Any) -> tuple[Any, Any]:
+    """(trainable, frozen): each the params tree with the other part's leaves set to None."""
+    trainable = jax.tree.map(lambda p, m: p if m else None, params, mask)
+    frozen = jax.tree.map(lambda p, m: None if m else p, params, mask)
+    return trainable, frozen
+
+
+def merge(trainable: Any, frozen: Any) -> Any:
+    return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=lambda x: x is None)
+
+
+def trainable_mask(params: Any, trainable: Callable[[Any], Any] | None) -> Any:
+    """The task's mask over ``params`` (all True without one)."""
+    return jax.tree.map(lambda _: True, params) if trainable is None else trainable(params)
+
+
+# ---- shardings and the initial state
+
+
+def param_names(cfg: Config) -> Any:
+    """Tree of logical axis names of every parameter, from shapes alone."""
+    return sharding.logical_specs(model.abstract_params(cfg.model, boxed=True))
+
+
+def _opt_state_names(opt_state: Any, params: Any, names: Any) -> Any:
+    """Optimizer moments mirror the parameters: give each the names of the parameter whose path
+    ends its own and whose shape it shares; anything else (counts, factored moments) is replicated."""
+    by_path = {}
+    for (path, leaf), n in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(names)):
+        by_path[tuple(str(p) for p in path)] = (leaf.shape, n)
+
+    def lookup(path, leaf):
+        keys = tuple(str(p) for p in path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit and hit[0] == leaf.shape:
+                return hit[1]
+        return PartitionSpec(*(None,) * len(leaf.shape))
+    return jax.tree_util.tree_map_with_path(lookup, opt_state)
+
+
+def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
+                    trainable: Callable[[Any], Any] | None = None) -> TrainState:
+    """NamedShardings for every leaf of the TrainState (abstract: nothing is allocated)."""
+    names = param_names(cfg)
+    params = model.abstract_params(cfg.model)
+    train_params, _ = split(params, trainable_mask(params, trainable))
+    opt_state = jax.eval_shape(optimizer.init, train_params)
+    train_names, _ = split(names, trainable_mask(params, trainable))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return TrainState(
+        step=replicated, params=sharding.mesh_shardings(names, mesh),
+        opt_state=sharding.mesh_shardings(_opt_state_names(opt_state, train_params, train_names), mesh),
+        loss_scale=jax.tree.map(lambda _: replicated, optim.LossScale.create(1.0)),
+        guard=jax.tree.map(lambda _: replicated, resilience.Guard.create()))
+
+
+def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: TrainState,
+               params: Any = None, trainable: Callable[[Any], Any] | None = None) -> TrainState:
+    """A fresh state, each array created directly on its shards (no host copy of the model).
+
+    ``params``, when given (e.g. imported weights), replaces the random initialisation."""
+    def init(rng, params):
+        if params is None:
+            params = model.init_params(cfg.model, jax.random.split(rng)[1])
+        train_params, _ = split(params, trainable_mask(params, trainable))
+        fp16 = cfg.model.dtype == "float16"
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(train_params),
+                          loss_scale=optim.LossScale.create(cfg.optim.loss_scale if fp16 else 1.0),
+                          guard=resilience.Guard.create())
+    jitted = jax.jit(init, in_shardings=(None, shardings.params if params is not None else None),
+                     out_shardings=shardings)
+    return jitted(jax.random.PRNGKey(cfg.train.seed), params)
+
+
+# ---- the step
+
+
+def _accumulate(loss_fn: LossFn, trainable: Any, frozen: Any, batch: dict, rng: jax.Array,
+                scale: jax.Array, total_weight: jax.Array, micro: int, batch_spec: dict):
+    """Gradients of the weighted-mean loss w.r.t. the trainable params, summed over microbatches,
+    with the summed loss and aux metrics. Microbatch j takes rows j, j+micro, ... (each stays
+    spread over every data shard)."""
+    def grads_of(mb, key):
+        def scaled(t):
+            loss_sum, _, aux = loss_fn(merge(t, frozen), mb, key)
+            return loss_sum * scale / total_weight, (loss_sum, aux)
+        return jax.grad(scaled, has_aux=True)(trainable)
+
+    if micro == 1:
+        return grads_of(batch, rng)
+
+    def split_rows(key, x):
+        x = x.reshape(x.shape[0] // micro, micro, *x.shape[1:]).swapaxes(0, 1)
+        return sharding.constrain(x, (None, *batch_spec[key]))
+    micro_batches = {k: split_rows(k, v) for k, v in batch.items()}
+
+    def body(carry, xs):
+        mb, key = xs
+        g, (l, aux) = grads_of(mb, key)
+        return jax.tree.map(jnp.add, carry, (g, (l, aux))), None
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, jax.tree.map(lambda x: x[0], micro_batches), rng))
+    (grads, out), _ = jax.lax.scan(body, zeros, (micro_batches, jax.random.split(rng, micro)))
+    return grads, out
+
+
+def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, loss_fn: LossFn,
+                    batch_spec: dict[str, tuple[str, ...]], trainable: Callable[[Any], Any] | None = None,
+                    weight_key: str = "weights") -> Callable:
+    """``train_step(state, batch)`` for a task's ``loss_fn``. The loss is normalised by the
+    batch's total weight (``batch[weight_key]`` summed, e.g. the loss-bearing tokens)."""
+    lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
+    seed_key = jax.random.PRNGKey(cfg.train.seed)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        mask = trainable_mask(state.params, trainable)
+        train_params, frozen = split(state.params, mask)
+        total_weight = jnp.maximum(jnp.sum(batch[weight_key]), 1.0)
+        rng = jax.random.fold_in(seed_key, state.step)  # a function of the step: exact on resume
+        grads, (loss_sum, aux) = _accumulate(loss_fn, train_params, frozen, batch, rng, state.loss_scale.value,
+                                             total_weight, cfg.optim.microbatches, batch_spec)
+        grads = jax.tree.map(lambda g: g / state.loss_scale.value, grads)
+        loss = loss_sum / total_weight
+        grad_norm = optax.tree.norm(grads)
+        ok, finite, spike, guard = resilience.judge(cfg.train, state.guard, state.step, loss, grad_norm)
+
+        updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
+        updates = jax.tree.map(lambda u: u * guard.lr_scale.astype(u.dtype), updates)
+        new_train = optax.apply_updates(train_params, updates)
+        # A bad step is skipped, never applied: params and optimizer state stay as they were.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        loss_scale = state.loss_scale.update(finite) if cfg.model.dtype == "float16" else state.loss_scale
+        new_state = state.replace(step=state.step + 1, params=merge(keep(new_train, train_params), frozen),
+                                  opt_state=keep(opt_state, state.opt_state), loss_scale=loss_scale, guard=guard)
+        applied = state.step - state.guard.skipped
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(applied) * state.guard.lr_scale,
+                   "skipped": (~ok).astype(jnp.int32), "spike": spike.astype(jnp.int32),
+                   "bad_streak": guard.bad_streak, "loss_scale": state.loss_scale.value,
+                   "tokens": total_weight, **{k: v / total_weight for k, v in aux.items()}}
+        return new_state, metrics
+
+    return train_step
+
+
+def compile_steps(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation, shardings: TrainState,
+                  loss_fn: LossFn, batch_spec: dict[str, tuple[str, ...]],
+                  trainable: Callable[[Any], Any] | None = None) -> tuple[Callable, Callable]:
+    """(train_step, eval_step) jitted with explicit shardings; train_step donates the state.
+    ``eval_step(params, batch) -> (loss_sum, weight)``."""
+    batch_sh = batch_shardings(batch_spec, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable),
+                    in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_key = jax.random.PRNGKey(cfg.train.seed)
+    evaluate = jax.jit(lambda params, batch: loss_fn(params, batch, eval_key)[:2],
+                       in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    return train, evaluate
+
+
+def batch_shardings(batch_spec: dict[str, tuple[str, ...]], mesh: Mesh) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, sharding.logical_to_spec(names)) for k, names in batch_spec.items()}
+
+
+def device_batch(batch: dict[str, np.ndarray], mesh: Mesh, batch_spec: dict[str, tuple[str, ...]]) -> dict[str, jax.Array]:
+    """This process's rows -> one global array per key, sharded by the batch spec."""
+    shardings = batch_shardings(batch_spec, mesh)
+    return {k: jax.make_array_from_process_local_data(shardings[k], batch[k]) for k in batch_spec}
