@@ -9,6 +9,7 @@ one line naming the file, the field and the values at fault; the CLIs print that
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from pathlib import Path
@@ -257,13 +258,19 @@ def load(config: str | None = None, bindings: list[str] | tuple[str, ...] = (),
     path = resolve_path(config) if config else None
     source = path.name if path else "<bindings>"
     gin.clear_config()
+    logging.disable(logging.ERROR)  # gin also logs a missing include; the ConfigError says it once
     try:
         gin.parse_config_files_and_bindings([str(path)] if path else [], list(bindings),
                                             finalize_config=False)
         sections = {name: cls() for name, cls in SECTIONS.items()}
     except (ValueError, TypeError, SyntaxError, KeyError) as err:  # gin's parse and binding errors
         raise ConfigError(f"{source}: {_one_line(err)}") from None
+    except ImportError as err:  # a gin `import` of a module that is not there
+        raise ConfigError(f"{source}: a gin `import` failed: {_one_line(err)}") from None
+    except OSError as err:  # a gin `include` of a file that is not there
+        raise ConfigError(f"{source}: {_one_line(err)}") from None
     finally:
+        logging.disable(logging.NOTSET)
         gin.clear_config()  # bindings are global in gin: never let them leak into a later Config
     cfg = Config(**sections, source=source)
     validate(cfg, num_devices)
@@ -313,6 +320,59 @@ def _check_types(cfg: Config) -> None:
                                   f"should be of type {field.type}")
 
 
+SEED_LIMIT = 2**32  # seeds become uint32 PRNG keys
+# Every numeric field's allowed range: (low, high, what), checked before anything compiles. "what"
+# is "positive" (> low), ">= 0" (>= low) or an interval "[low, high)" / "(low, high]" / "[low, high]".
+RANGES: dict[str, tuple[float, float, str]] = {
+    **{f"ModelConfig.{f}": (0, math.inf, "positive") for f in (
+        "vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "norm_eps",
+        "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "init_std")},
+    **{f"ModelConfig.{f}": (0, math.inf, ">= 0") for f in (
+        "n_kv_heads", "head_dim", "rope_scaling_factor", "sliding_window")},
+    **{f"MeshConfig.{f}": (0, math.inf, "positive") for f in ("pipeline_microbatches", "pipeline_repeats")},
+    **{f"OptimConfig.{f}": (0, math.inf, "positive") for f in ("learning_rate", "microbatches")},
+    **{f"OptimConfig.{f}": (0, math.inf, ">= 0") for f in ("warmup_steps", "eps", "weight_decay", "grad_clip")},
+    "OptimConfig.min_lr_ratio": (0, 1, "[low, high]"), "OptimConfig.decay_fraction": (0, 1, "(low, high]"),
+    "OptimConfig.b1": (0, 1, "[low, high)"), "OptimConfig.b2": (0, 1, "[low, high)"),
+    "OptimConfig.loss_scale": (1, math.inf, "[low, high)"),
+    "DataConfig.seed": (0, SEED_LIMIT, "[low, high)"), "DataConfig.eval_fraction": (0, 1, "[low, high)"),
+    **{f"DataConfig.{f}": (0, math.inf, ">= 0") for f in ("worker_count", "prefetch", "shards")},
+    **{f"DataConfig.{f}": (0, math.inf, "positive") for f in ("max_doc_bytes", "read_threads")},
+    **{f"CheckpointConfig.{f}": (0, math.inf, ">= 0") for f in ("every_steps", "every_minutes", "keep_every_steps")},
+    "CheckpointConfig.max_to_keep": (0, math.inf, "positive"),
+    **{f"TrainConfig.{f}": (0, math.inf, "positive") for f in (
+        "steps", "global_batch", "seq_len", "eval_every", "eval_batches", "log_every")},
+    **{f"TrainConfig.{f}": (0, math.inf, ">= 0") for f in (
+        "z_loss", "peak_flops", "sample_tokens", "spike_sigmas", "spike_warmup", "rollback_after")},
+    "TrainConfig.seed": (0, SEED_LIMIT, "[low, high)"), "TrainConfig.spike_window": (2, math.inf, "[low, high)"),
+    "TrainConfig.rollback_lr_factor": (0, 1, "(low, high]"),
+}
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Each numeric field finite and in its range (``RANGES``), else one line naming it."""
+    for name, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            key, value = f"{cls.__name__}.{field.name}", getattr(getattr(cfg, name), field.name)
+            if field.type not in ("int", "float"):
+                continue
+            if not math.isfinite(value):
+                raise ConfigError(f"{cfg.source}: {key} = {value!r} must be a finite number")
+            if key not in RANGES:
+                continue
+            low, high, what = RANGES[key]
+            if what == "positive" and not value > low:
+                raise ConfigError(f"{cfg.source}: {key} must be positive, got {value}")
+            if what == ">= 0" and not value >= low:
+                raise ConfigError(f"{cfg.source}: {key} must be >= 0, got {value}")
+            inside = {"[low, high)": low <= value < high, "(low, high]": low < value <= high,
+                      "[low, high]": low <= value <= high}.get(what, True)
+            if not inside:
+                num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"
+                interval = what.replace("low", num(low)).replace("high", num(high))
+                raise ConfigError(f"{cfg.source}: {key} = {value} must lie in {interval}")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject inconsistent settings before anything compiles; each failure is one line."""
     _check_types(cfg)
@@ -327,18 +387,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
     _choice(src, "OptimConfig.schedule", o.schedule, ("cosine", "linear", "constant", "wsd"))
-    positive = {"ModelConfig.d_model": m.d_model, "ModelConfig.n_layers": m.n_layers,
-                "ModelConfig.n_heads": m.n_heads, "ModelConfig.d_ff": m.d_ff,
-                "ModelConfig.vocab_size": m.vocab_size, "ModelConfig.vocab_multiple": m.vocab_multiple,
-                "TrainConfig.steps": t.steps, "TrainConfig.global_batch": t.global_batch,
-                "TrainConfig.seq_len": t.seq_len, "OptimConfig.microbatches": o.microbatches,
-                "OptimConfig.learning_rate": o.learning_rate,
-                "MeshConfig.pipeline_microbatches": cfg.mesh.pipeline_microbatches,
-                "MeshConfig.pipeline_repeats": cfg.mesh.pipeline_repeats,
-                "TrainConfig.eval_every": t.eval_every, "TrainConfig.log_every": t.log_every}
-    for field, value in positive.items():
-        if not value > 0:
-            raise ConfigError(f"{src}: {field} must be positive, got {value}")
+    _check_ranges(cfg)
     if m.head_dim == 0 and m.d_model % m.n_heads:
         raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
                           f"ModelConfig.n_heads = {m.n_heads} (set ModelConfig.head_dim explicitly)")
@@ -350,30 +399,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"{src}: TrainConfig.seq_len = {t.seq_len} exceeds "
                           f"ModelConfig.max_seq_len = {m.max_seq_len}")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"{src}: OptimConfig.warmup_steps must be >= 0, got {o.warmup_steps}")
-    d = cfg.data
-    if not 0.0 <= d.eval_fraction < 1.0:
-        raise ConfigError(f"{src}: DataConfig.eval_fraction = {d.eval_fraction} must lie in [0, 1)")
-    for field in ("worker_count", "prefetch", "shards"):
-        if getattr(d, field) < 0:
-            raise ConfigError(f"{src}: DataConfig.{field} must be >= 0, got {getattr(d, field)}")
-    for field in ("max_doc_bytes", "read_threads"):
-        if getattr(d, field) < 1:
-            raise ConfigError(f"{src}: DataConfig.{field} must be positive, got {getattr(d, field)}")
-    if m.sliding_window < 0:
-        raise ConfigError(f"{src}: ModelConfig.sliding_window must be >= 0 (0: off), got {m.sliding_window}")
     ck = cfg.checkpoint
-    if ck.every_steps < 0 or ck.every_minutes < 0 or ck.max_to_keep < 1 or ck.keep_every_steps < 0:
-        raise ConfigError(f"{src}: CheckpointConfig needs every_steps >= 0, every_minutes >= 0, "
-                          f"max_to_keep >= 1, keep_every_steps >= 0; got {ck.every_steps}, "
-                          f"{ck.every_minutes}, {ck.max_to_keep}, {ck.keep_every_steps}")
     if t.rollback_after and not ck.enabled:
         raise ConfigError(f"{src}: TrainConfig.rollback_after = {t.rollback_after} needs checkpoints, "
                           "but CheckpointConfig.enabled = False")
-    if not 0 < t.rollback_lr_factor <= 1 or t.spike_sigmas < 0 or t.spike_window < 2:
-        raise ConfigError(f"{src}: need 0 < TrainConfig.rollback_lr_factor <= 1, spike_sigmas >= 0, "
-                          f"spike_window >= 2; got {t.rollback_lr_factor}, {t.spike_sigmas}, {t.spike_window}")
+    if t.sample_tokens >= m.max_seq_len:
+        raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
+                          f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
     if m.attention_impl == "pallas":
         raise ConfigError(f"{src}: ModelConfig.attention_impl = 'pallas' is not available yet "
                           "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")

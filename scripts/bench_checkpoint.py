@@ -26,7 +26,7 @@ def build(args):
         num_devices=1,
         model=dict(d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4, d_ff=4 * args.d_model,
                    vocab_size=259, vocab_multiple=8, max_seq_len=args.seq_len, dtype="float32"),
-        mesh=dict(data=1), train=dict(global_batch=args.batch, seq_len=args.seq_len, steps=10_000),
+        mesh=dict(data=1), train=dict(global_batch=args.batch, seq_len=args.seq_len, steps=10_000, sample_tokens=0),
         optim=dict(warmup_steps=10), checkpoint=dict(max_to_keep=2))
     return cfg
 

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     tok_path = os.path.join(work, "tokenizer.json")
     tok.save(tok_path)
     report = prepare("stdlib", os.path.join(work, "packed"), tok_path, seq_len, eval_fraction=0.0,
-                     limit=400 if quick else 1200, progress=False)
+                     limit=400 if quick else 1200, progress=False, overwrite=True)
     print(f"             (setup: BPE 8192 trained and {report['splits']['train']['tokens']:,} stdlib tokens "
           f"packed at seq {seq_len} in {time.perf_counter() - t0:.0f} s, prepare at "
           f"{report['tokens_per_s']:,.0f} tokens/s)", flush=True)

@@ -15,7 +15,7 @@ def small_config(num_devices=8, model=None, **sections):
     base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128, vocab_multiple=8,
                 max_seq_len=64, dtype="float32")
     base.update(model or {})
-    train = dict(global_batch=8, seq_len=32, steps=10)
+    train = dict(global_batch=8, seq_len=32, steps=10, sample_tokens=0)  # max_seq_len 64 leaves no room
     train.update(sections.pop("train", {}))
     opt = dict(warmup_steps=2, learning_rate=1e-2)
     opt.update(sections.pop("optim", {}))

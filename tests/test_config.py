@@ -72,6 +72,17 @@ BAD = [
     (["TrainConfig.steps = 0"], 8, "TrainConfig.steps must be positive, got 0"),
     (["TrainConfig.steps = 'many'"], 8, "TrainConfig.steps = 'many' should be of type int"),
     (["ModelConfig.tie_embeddings = 1"], 8, "ModelConfig.tie_embeddings = 1 should be of type bool"),
+    # Ranges, checked before anything compiles (each once ended in a traceback or a silent misrun).
+    (["ModelConfig.n_kv_heads = -1"], 8, "ModelConfig.n_kv_heads must be >= 0, got -1"),
+    (["TrainConfig.seed = 4294967296"], 8, "TrainConfig.seed = 4294967296 must lie in [0, 4294967296)"),
+    (["DataConfig.seed = -1"], 8, "DataConfig.seed = -1 must lie in [0, 4294967296)"),
+    (["DataConfig.shards = -2"], 8, "DataConfig.shards must be >= 0, got -2"),
+    (["TrainConfig.sample_tokens = -5"], 8, "TrainConfig.sample_tokens must be >= 0, got -5"),
+    (["TrainConfig.sample_tokens = 256"], 8, "TrainConfig.sample_tokens = 256 must be below ModelConfig.max_seq_len"),
+    (["TrainConfig.eval_every = 0"], 8, "TrainConfig.eval_every must be positive, got 0"),
+    (["TrainConfig.log_every = 0"], 8, "TrainConfig.log_every must be positive, got 0"),
+    (["OptimConfig.b2 = 1.0"], 8, "OptimConfig.b2 = 1.0 must lie in [0, 1)"),
+    (["OptimConfig.learning_rate = 1e999"], 8, "OptimConfig.learning_rate = inf must be a finite number"),
 ]
 
 

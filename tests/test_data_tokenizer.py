@@ -97,7 +97,7 @@ def test_train_tokenizer_cli(tmp_path, capsys):
                       "--quiet"]) == 0
     assert "(asked for 1,000: the corpus has no more merges" in capsys.readouterr().out
     assert data_main(["train-tokenizer", f"jsonl:{corpus}", "--vocab-size", "400", "--out", str(out),
-                      "--quiet"]) == 0
+                      "--overwrite", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "vocab 400 tokens (bos 0, eos 1, pad 2)" in printed and "malformed_json 1" in printed
     report = json.loads((tmp_path / "tok" / "tokenizer.report.json").read_text())

@@ -234,39 +234,47 @@ def test_sharded_and_bf16_checkpoints(llama_dir, tmp_path):
 
 
 def test_missing_config_json(tmp_path):
-    line = _assert_one_line_error(_run_cli("import", tmp_path, "--out", tmp_path / "run"), "config.json")
-    assert str(tmp_path) in line
+    src = tmp_path / "hf"
+    src.mkdir()
+    line = _assert_one_line_error(_run_cli("import", src, "--out", tmp_path / "run"), "config.json")
+    assert str(src) in line
     assert not (tmp_path / "run").exists()
 
 
 def test_unknown_model_type(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
-    _assert_one_line_error(_run_cli("import", tmp_path, "--out", tmp_path / "run"),
-                           "'bert'", str(tmp_path / "config.json"))
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    _assert_one_line_error(_run_cli("import", src, "--out", tmp_path / "run"),
+                           "'bert'", str(src / "config.json"))
 
 
 def test_pickle_only_directory(llama_dir, tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
     path, net = llama_dir
-    shutil.copy(path / "config.json", tmp_path / "config.json")
-    torch.save(net.state_dict(), tmp_path / "pytorch_model.bin")
-    _assert_one_line_error(_run_cli("import", tmp_path, "--out", tmp_path / "run"),
+    shutil.copy(path / "config.json", src / "config.json")
+    torch.save(net.state_dict(), src / "pytorch_model.bin")
+    _assert_one_line_error(_run_cli("import", src, "--out", tmp_path / "run"),
                            "pytorch_model.bin", "safe_serialization=True")
 
 
 def test_misshaped_tensor(llama_dir, tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
     path, _ = llama_dir
-    shutil.copy(path / "config.json", tmp_path / "config.json")
+    shutil.copy(path / "config.json", src / "config.json")
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name] = tensors[name][:16]
-    save_file(tensors, tmp_path / "model.safetensors")
-    _assert_one_line_error(_run_cli("import", tmp_path, "--out", tmp_path / "run"),
-                           name, str(tmp_path / "model.safetensors"), "(16, 64)", "expected (32, 64)")
+    save_file(tensors, src / "model.safetensors")
+    _assert_one_line_error(_run_cli("import", src, "--out", tmp_path / "run"),
+                           name, str(src / "model.safetensors"), "(16, 64)", "expected (32, 64)")
     del tensors["model.layers.2.mlp.up_proj.weight"]
     tensors[name] = tensors["model.layers.0.self_attn.k_proj.weight"]
-    save_file(tensors, tmp_path / "model.safetensors")
+    save_file(tensors, src / "model.safetensors")
     with pytest.raises(hf.HFImportError, match=r"'model\.layers\.2\.mlp\.up_proj\.weight' is missing"):
-        hf.params_from_hf(tmp_path, hf.config_from_hf(json.loads((path / "config.json").read_text())))
+        hf.params_from_hf(src, hf.config_from_hf(json.loads((path / "config.json").read_text())))
 
 
 def test_unsupported_rope_scaling_and_unexpected_tensor(llama_dir, tmp_path):

@@ -208,6 +208,37 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
+BAD_OPTIONS = [  # (argument, what the one line says): each was planned, or printed the usage block
+    ("--tokens=-5", "argument --tokens: '-5' is not allowed (expected a number in (0, 1e18])"),
+    ("--tokens=0", "argument --tokens: '0' is not allowed"),
+    ("--tokens=nan", "argument --tokens: 'nan' is not allowed"),
+    ("--tokens=-inf", "argument --tokens: '-inf' is not allowed"),
+    ("--tokens=1e400", "argument --tokens: '1e400' is not allowed"),
+    ("--price_per_gpu_hour=-1",
+     "argument --price_per_gpu_hour: '-1' is not allowed (expected a number in [0, 10000])"),
+    ("--price=nan", "argument --price_per_gpu_hour: 'nan' is not allowed"),
+    ("--gpus=0", "argument --gpus: '0' is not allowed (expected an integer >= 1)"),
+    ("--gpus=-8", "argument --gpus: '-8' is not allowed"),
+    ("--gpus=nan", "argument --gpus: 'nan' is not allowed"),
+    ("--mfu=nan", "argument --mfu: 'nan' is not allowed (expected a fraction in (0, 1])"),
+    ("--mfu=-0.1", "argument --mfu: '-0.1' is not allowed"),
+    ("--mfu=1.5", "argument --mfu: '1.5' is not allowed"),
+    ("--aot_layers=1", "argument --aot_layers: '1' is not allowed (expected 0 (all layers) or an integer >= 2"),
+    ("--config=", "argument --config: an empty value is not allowed"),
+    ("--gin_bindings= ", "argument --gin_bindings: an empty value is not allowed"),
+    ("--tokens=--", "argument --tokens: '--' is not a value"),
+]
+
+
+@pytest.mark.parametrize("arg,message", BAD_OPTIONS, ids=[a for a, _ in BAD_OPTIONS])
+def test_bad_option_is_one_line_naming_it_and_exit_2(arg, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan.main([arg])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("maxlm.plan: error: ") and message in err, err
+
+
 def test_cli_json_for_gpt175b_runs_in_seconds():
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "maxlm.plan", "--config=gpt175b.gin", "--tokens=300e9",

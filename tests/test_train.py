@@ -32,6 +32,15 @@ def test_tiny_learns_records_and_resumes(tmp_path):
     assert [r["step"] for r in train_rows] == [6, 12, 18, 24]
     for key in ("perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"):
         assert all(r[key] > 0 for r in train_rows), key
+    # Step times are measured once the window's steps have finished, not when they were dispatched:
+    # they account for the run's stepping time (goodput's train + lost), within a factor of two.
+    timed_steps = sum(6 - (r["step"] == 6) for r in train_rows)  # the first step is compilation
+    measured = sum(r["step_time_s"] * (6 - (r["step"] == 6)) for r in train_rows)
+    stepping = first["goodput"]["train_s"] + first["goodput"]["lost_s"]
+    assert 0.5 * stepping * timed_steps / 24 < measured < 2 * stepping, (measured, stepping)
+    # The logged loss is the window's mean: it equals no single step's loss in general, and the
+    # window means of a run that learns fall.
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
     assert json.loads((run_dir / "run.json").read_text())["params"] == 3_283_200
 
     # Rerunning with more steps resumes from the latest checkpoint instead of starting over.

@@ -15,7 +15,8 @@ Stages, in order, each counted in ``DIR/report.json`` and a printed summary:
 
 Every dropped document is also listed, with its stage and reason, in ``DIR/audit/dropped.jsonl``; the
 kept ones go to ``DIR/part-NNNNN.jsonl`` as ``{"id": ..., "text": ...}``, ready for
-``jsonl:DIR/*.jsonl`` in ``train-tokenizer``, ``prepare`` or ``DataConfig.source``.
+``jsonl:DIR/*.jsonl`` in ``train-tokenizer``, ``prepare`` or ``DataConfig.source``. ``DIR`` appears
+whole or not at all (built in a hidden sibling, report.json last; see maxlm.data.atomic).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import unicodedata
 import numpy as np
 from tqdm import tqdm
 
-from maxlm.data import dedup, pii, quality
-from maxlm.data.sources import Problems, open_source
+from maxlm.data import atomic, dedup, pii, quality
+from maxlm.data.sources import Problems, Utf8Tally, input_paths, open_source, utf8_summary
 
 STAGES = ("read", "normalise", "quality", "exact_dedup", "near_dedup", "pii", "perplexity")
 
@@ -173,21 +174,37 @@ class _Writer:
             self._f = None
 
 
-def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progress: bool = True) -> dict:
-    """Run every stage over ``source`` into ``out_dir``; returns the report (also written there)."""
-    t0 = time.perf_counter()
+# Top-level names a clean output holds; an existing --out with anything else is never replaced.
+OWNED = r"(part|kept)-\d{5}\.jsonl|report\.json|audit"
+
+
+def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progress: bool = True,
+          overwrite: bool = False) -> dict:
+    """Run every stage over ``source`` into ``out_dir``; returns the report (also written there).
+
+    The output is built in a hidden sibling and appears at ``out_dir`` only when complete, its
+    report.json written last (maxlm.data.atomic). A finished ``out_dir`` is replaced only with
+    ``overwrite``; an ``out_dir`` that is, holds or lies inside an input is refused."""
+    inputs = input_paths(source)
+    if opts.perplexity_run:
+        inputs.append(("--perplexity-run", opts.perplexity_run))
+    atomic.check_disjoint(out_dir, inputs)
     src = open_source(source, opts.max_doc_bytes)
-    os.makedirs(out_dir, exist_ok=True)
-    for stale in os.listdir(out_dir):  # a re-run replaces the previous output, never mixes with it
-        if re.fullmatch(r"(part|kept)-\d{5}\.jsonl|report\.json", stale):
-            os.remove(os.path.join(out_dir, stale))
+    with atomic.Output(out_dir, "clean", overwrite=overwrite, marker="report.json", owned=OWNED) as tmp:
+        return _clean_into(src, source, tmp, out_dir, opts, progress)
+
+
+def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, progress: bool) -> dict:
+    """The stages, writing into ``tmp``; report.json, the completion marker, goes last."""
+    t0 = time.perf_counter()
     stages = {name: _Stage(name) for name in STAGES}
     near = dedup.NearDedup(opts.near_threshold, opts.num_perm, opts.shingle) if opts.near_dedup else None
     seen_exact: set[bytes] = set()
     ppl = bool(opts.perplexity_run)
-    writer = _Writer(out_dir, opts.docs_per_shard, "kept" if ppl else "part")
-    os.makedirs(os.path.join(out_dir, "audit"), exist_ok=True)  # not matched by OUT/*.jsonl
-    dropped_f = open(os.path.join(out_dir, "audit", "dropped.jsonl"), "w", encoding="utf-8")
+    writer = _Writer(tmp, opts.docs_per_shard, "kept" if ppl else "part")
+    os.makedirs(os.path.join(tmp, "audit"))  # not matched by OUT/*.jsonl
+    dropped_f = open(os.path.join(tmp, "audit", "dropped.jsonl"), "w", encoding="utf-8")
+    utf8 = Utf8Tally()
 
     def drop(stage: str, reason: str, doc_id: str, detail: str = "", **extra) -> None:
         stages[stage].dropped[reason] += 1
@@ -220,6 +237,7 @@ def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progre
                     read.fixed["invalid_utf8_docs"] += 1
                     read.fixed["invalid_utf8_bytes"] += rec.replaced
                     read.example("invalid_utf8", rec.id)
+                    utf8.add(rec)
                 _account(rec, res, stages, drop, seen_exact, near, opts, writer)
             if n % 64 == 0:
                 bar.update(64)
@@ -232,19 +250,20 @@ def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progre
             pool.join()
         writer.close()
     if ppl:
-        writer = _perplexity_stage(out_dir, writer, opts, stages["perplexity"], drop, progress)
+        writer = _perplexity_stage(tmp, writer, opts, stages["perplexity"], drop, progress)
     else:
         stages["perplexity"].docs_in = stages["perplexity"].docs_out = stages["pii"].docs_out
     dropped_f.close()
     report = {
-        "source": source, "source_repr": repr(src), "out": out_dir,
+        "format": "maxlm-clean-v1", "source": source, "source_repr": repr(src), "out": out_dir,
         "options": _options_dict(opts), "seconds": round(time.perf_counter() - t0, 3),
         "listing": src.problems.to_dict(),
         "stages": [stages[name].to_dict() for name in STAGES],
+        "invalid_utf8": utf8.to_dict(),
         "output": {"docs": writer.docs, "bytes": writer.bytes, "shards": writer.shards},
     }
     report["docs_per_s"] = round(stages["read"].docs_in / max(report["seconds"], 1e-9), 1)
-    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(tmp, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, ensure_ascii=False)
     return report
 
@@ -344,6 +363,8 @@ def summary(report: dict) -> str:
             label = "replaced" if st["stage"] == "pii" else "fixed"
             text += f"   {label}: " + ", ".join(f"{k} {v:,}" for k, v in st["fixed"].items())
         lines.append(text)
+    if utf8_summary(report.get("invalid_utf8")):
+        lines.append(utf8_summary(report["invalid_utf8"]))
     out = report["output"]
     lines.append(f"  wrote {out['docs']:,} documents ({out['bytes'] / 1e6:,.1f} MB) in "
                  f"{len(out['shards'])} shard(s); every drop is listed in "

@@ -100,6 +100,8 @@ class NearDedup:
             raise ValueError(f"near-dedup threshold = {threshold} must lie in (0, 1]")
         if num_perm < 16:
             raise ValueError(f"near-dedup num_perm = {num_perm} is too few (use >= 16; the default is 256)")
+        if shingle < 1:  # 0 would make every document one empty shingle: all "duplicates"
+            raise ValueError(f"near-dedup shingle = {shingle} must be at least 1 word")
         self.threshold, self.num_perm, self.shingle, self.seed = threshold, num_perm, shingle, seed
         self.lsh = MinHashLSH(threshold=max(threshold - lsh_margin, 0.05), num_perm=num_perm)
         self._perm = _permutations(num_perm, seed)  # shared by all signatures

@@ -9,9 +9,11 @@ tokens (a document that does not fit continues in the next row as a new piece). 
 
 as ``.npy`` shards that training memory-maps (random access, no parsing, nothing in RAM). Only the
 very last row of a split is padded. Documents are split train/eval by a hash of their id, as the
-raw pipeline does. ``DIR/index.json`` (written last, so an interrupted run leaves none) lists the
-shards with their sha256, the tokenizer's fingerprint and the counts; ``DIR/report.json`` has the
-bad input met on the way. Train on it with ``DataConfig.source = "packed:DIR"``.
+raw pipeline does. ``DIR/index.json`` lists the shards with their sha256, the tokenizer's
+fingerprint and the counts; ``DIR/report.json`` has the bad input met on the way. ``DIR`` appears
+whole or not at all: it is built in a hidden sibling, index.json last, then renamed into place
+(maxlm.data.atomic), so an interrupted run leaves no ``DIR`` and training has nothing to misread.
+Train on it with ``DataConfig.source = "packed:DIR"``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from maxlm.data.sources import Problems, open_source, split
+from maxlm.data import atomic
+from maxlm.data.sources import Problems, Utf8Tally, input_paths, open_source, split, utf8_summary
 from maxlm.data.spec import read_packed_index
 from maxlm.data.tokenizer import get_tokenizer
 
@@ -103,28 +106,42 @@ class Packer:
                 "shards": self.shards}
 
 
+# Top-level names a prepared directory holds; an existing --out with anything else is never replaced.
+OWNED = r"(train|eval)-\d{5}\.(tokens|segments|positions)\.npy|index\.json|report\.json"
+
+
 def prepare(source: str, out_dir: str, tokenizer: str = "byte", seq_len: int = 2048, *,
             eval_fraction: float = 0.01, rows_per_shard: int = 0, max_doc_bytes: int = 32 << 20,
-            limit: int = 0, batch_docs: int = 256, progress: bool = True) -> dict:
-    """Tokenise and pack ``source`` into ``out_dir``; returns the report (also in report.json)."""
-    t0 = time.perf_counter()
+            limit: int = 0, batch_docs: int = 256, progress: bool = True, overwrite: bool = False) -> dict:
+    """Tokenise and pack ``source`` into ``out_dir``; returns the report (also in report.json).
+
+    The directory appears only when complete, index.json written last (maxlm.data.atomic); a
+    finished one is replaced only with ``overwrite``; one that is, holds or lies inside an input
+    (the source or the tokenizer file) is refused."""
     if seq_len < 2:
         raise ValueError(f"--seq-len = {seq_len} must be at least 2 (an input and its target)")
+    inputs = input_paths(source) + ([] if tokenizer == "byte" else [("--tokenizer", tokenizer)])
+    atomic.check_disjoint(out_dir, inputs)
     tok = get_tokenizer(tokenizer)
     src = open_source(source, max_doc_bytes)
-    os.makedirs(out_dir, exist_ok=True)
-    for stale in os.listdir(out_dir):  # never mix shards of two runs
-        if stale.endswith(".npy") or stale in ("index.json", "report.json"):
-            os.remove(os.path.join(out_dir, stale))
+    with atomic.Output(out_dir, "prepare", overwrite=overwrite, marker="index.json", owned=OWNED) as tmp:
+        return _prepare_into(src, tok, tmp, out_dir, source=source, tokenizer=tokenizer, seq_len=seq_len,
+                             eval_fraction=eval_fraction, rows_per_shard=rows_per_shard, limit=limit,
+                             batch_docs=batch_docs, progress=progress)
+
+
+def _pack(src, tok, tmp: str, *, source: str, seq_len: int, eval_fraction: float, rows_per_shard: int,
+          limit: int, batch_docs: int, progress: bool):
+    """Read, tokenise and pack every document into shards in ``tmp``: (packers, problems, utf8, n)."""
     n = min(len(src), limit) if limit else len(src)
     held = np.zeros(len(src), dtype=bool)
     if eval_fraction > 0 and len(src) >= 2:
         held[split(src, eval_fraction)[1].indices] = True
     token_dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     rows_per_shard = rows_per_shard or max(1, (1 << 26) // seq_len)  # ~64M tokens per shard
-    packers = {name: Packer(out_dir, name, seq_len, token_dtype, tok.pad_id, rows_per_shard)
+    packers = {name: Packer(tmp, name, seq_len, token_dtype, tok.pad_id, rows_per_shard)
                for name in ("train", "eval")}
-    problems, replaced = Problems(), 0
+    problems, utf8 = Problems(), Utf8Tally()
     bar = tqdm(total=n, desc=f"prepare {source}", unit="doc", disable=not progress, dynamic_ncols=True)
     pending: list[tuple[str, str]] = []
 
@@ -138,7 +155,7 @@ def prepare(source: str, out_dir: str, tokenizer: str = "byte", seq_len: int = 2
         if rec.problem:
             problems.add(rec.problem, rec.id, detail=rec.detail)
         else:
-            replaced += rec.replaced
+            utf8.add(rec)
             if rec.replaced:
                 problems.add("invalid_utf8_docs", rec.id)
             pending.append(("eval" if held[i] else "train", rec.text))
@@ -150,6 +167,15 @@ def prepare(source: str, out_dir: str, tokenizer: str = "byte", seq_len: int = 2
     flush()
     bar.update(n - bar.n)
     bar.close()
+    return packers, problems, utf8, n
+
+
+def _prepare_into(src, tok, tmp: str, out_dir: str, *, source: str, tokenizer: str, seq_len: int,
+                  eval_fraction: float, **pack_args) -> dict:
+    """Pack into ``tmp``, then report.json, then index.json: the completion marker, last."""
+    t0 = time.perf_counter()
+    packers, problems, utf8, n = _pack(src, tok, tmp, source=source, seq_len=seq_len,
+                                       eval_fraction=eval_fraction, **pack_args)
     splits = {name: p.close() for name, p in packers.items()}
     dropped = sum(problems.counts[k] for k in problems.counts if k != "invalid_utf8_docs")
     if splits["train"]["rows"] == 0:
@@ -158,7 +184,8 @@ def prepare(source: str, out_dir: str, tokenizer: str = "byte", seq_len: int = 2
         "format": "maxlm-packed-v1", "seq_len": seq_len, "source": source, "source_repr": repr(src),
         "tokenizer": {"name": tokenizer, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
                       "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
-        "dtype": {"tokens": np.dtype(token_dtype).name, "segments": np.dtype(packers["train"].index_dtype).name,
+        "dtype": {"tokens": np.dtype(packers["train"].buf["tokens"].dtype).name,
+                  "segments": np.dtype(packers["train"].index_dtype).name,
                   "positions": np.dtype(packers["train"].index_dtype).name},
         "eval_fraction": eval_fraction, "splits": splits,
     }
@@ -167,17 +194,15 @@ def prepare(source: str, out_dir: str, tokenizer: str = "byte", seq_len: int = 2
     report = {
         "source": source, "out": out_dir, "tokenizer": index["tokenizer"], "seq_len": seq_len,
         "docs_in": n, "docs_packed": splits["train"]["docs"] + splits["eval"]["docs"],
-        "docs_dropped": dropped, "invalid_utf8_bytes_replaced": replaced,
+        "docs_dropped": dropped, "invalid_utf8_bytes_replaced": utf8.replaced, "invalid_utf8": utf8.to_dict(),
         "listing": src.problems.to_dict(), "read": problems.to_dict(),
         "splits": {k: {f: v[f] for f in ("rows", "docs", "tokens", "pad_tokens")} for k, v in splits.items()},
         "seconds": round(seconds, 3), "tokens_per_s": round(total_tokens / max(seconds, 1e-9), 1),
     }
-    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(tmp, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, ensure_ascii=False)
-    tmp = os.path.join(out_dir, "index.json.tmp")
-    with open(tmp, "w") as f:
+    with open(os.path.join(tmp, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "index.json"))
     return report
 
 
@@ -193,6 +218,8 @@ def summary(report: dict) -> str:
     if bad:
         lines.append("  bad input: " + ", ".join(f"{k} {v:,}" for k, v in bad.items())
                      + f" ({report['docs_dropped']:,} documents dropped)")
+    if utf8_summary(report.get("invalid_utf8")):
+        lines.append(utf8_summary(report["invalid_utf8"]))
     lines.append(f"  train with DataConfig.source = \"packed:{report['out']}\" and DataConfig.tokenizer = "
                  f"\"{report['tokenizer']['name']}\"; report: {os.path.join(report['out'], 'report.json')}")
     return "\n".join(lines)

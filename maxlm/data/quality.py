@@ -92,8 +92,35 @@ PRESETS = {
 }
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_setting(name: str, value: str, current):
+    """One NAME=VALUE override, parsed by the field's type and range-checked; ValueError names it."""
+    if isinstance(current, bool):
+        if value.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"quality setting {name}={value!r} is not a valid bool (use true or false)")
+        return value.lower() in _TRUE
+    try:
+        if isinstance(current, tuple):  # "2:0.2,3:0.18": n-gram size, fraction of the characters
+            parsed = tuple((int(n), float(f)) for n, f in (item.split(":") for item in value.split(",") if item))
+        else:
+            parsed = type(current)(value)
+    except ValueError:
+        raise ValueError(f"quality setting {name}={value!r} is not a valid {type(current).__name__}") from None
+    if isinstance(current, tuple):
+        bad = [f"{n}:{f}" for n, f in parsed if n < 1 or not 0.0 <= f <= 1.0]
+        if bad:
+            raise ValueError(f"quality setting {name}={value!r}: {bad[0]} is out of range (each N:F needs "
+                             "an n-gram size N >= 1 and a fraction F in [0, 1])")
+    elif not 0 <= parsed < float("inf"):  # also false for nan
+        raise ValueError(f"quality setting {name}={value!r} is out of range: give a finite number >= 0 "
+                         "(0 turns the rule off)")
+    return parsed
+
+
 def config_from(preset: str, overrides: dict[str, str] | None = None) -> QualityConfig:
-    """A preset with NAME=VALUE overrides (strings parsed by each field's type)."""
+    """A preset with NAME=VALUE overrides (strings parsed by each field's type, range-checked)."""
     if preset not in PRESETS:
         raise ValueError(f"quality preset {preset!r} is not one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
@@ -102,18 +129,7 @@ def config_from(preset: str, overrides: dict[str, str] | None = None) -> Quality
     for name, value in (overrides or {}).items():
         if name not in fields:
             raise ValueError(f"quality setting {name!r} is unknown; known: {', '.join(fields)}")
-        current = getattr(cfg, name)
-        try:
-            if isinstance(current, bool):
-                changes[name] = value.lower() in ("1", "true", "yes", "on")
-            elif isinstance(current, tuple):  # "2:0.2,3:0.18"
-                changes[name] = tuple((int(n), float(f)) for n, f in
-                                      (item.split(":") for item in value.split(",") if item))
-            else:
-                changes[name] = type(current)(value)
-        except ValueError:
-            raise ValueError(f"quality setting {name}={value!r} is not a valid "
-                             f"{type(current).__name__}") from None
+        changes[name] = _parse_setting(name, value, getattr(cfg, name))
     return cfg.replace(**changes)
 
 

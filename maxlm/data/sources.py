@@ -10,7 +10,14 @@ shard it. ``read(i)`` returns a ``Record`` that says what was wrong, if anything
     oversized       longer than max_doc_bytes (a 100 MB line is counted here, never loaded whole)
     malformed_json  a JSONL line that does not parse
     missing_field   the JSONL field / Parquet column is absent, null or not a string
-and, not a reason to drop: ``replaced`` counts invalid UTF-8 bytes decoded as U+FFFD.
+and, not a reason to drop: ``replaced`` counts invalid UTF-8 bytes decoded as U+FFFD (and lone
+surrogates from JSON escapes such as ``"\\ud800"``, which no encoder accepts), and ``Utf8Tally``
+lists where they were. A UTF-8 byte-order mark is not text: it is dropped, the record kept.
+Files ending in ``.gz`` or ``.zst`` are decompressed as they are read (maxlm.data.compression).
+
+A source that holds no document at all, and a directory that is an unfinished ``clean`` output
+(it has ``audit/`` but no ``report.json``: the run was killed), are refused with a one-line
+ValueError that names the source.
 
 ``clean`` and ``prepare`` turn these into report counts. The training pipeline, which reads raw
 sources directly only for convenience, skips such documents and logs each kind with its count.
@@ -20,18 +27,20 @@ stored with the iterator state.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import glob
 import hashlib
 import json
 import logging
-import mmap
 import os
+import re
 import sysconfig
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from maxlm.data import compression
 from maxlm.data.spec import SourceSpec, parse_source
 
 log = logging.getLogger("maxlm.data")
@@ -41,6 +50,8 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 DEFAULT_MAX_DOC_BYTES = 32 << 20
 DROP_KINDS = ("unreadable", "empty", "binary", "oversized", "malformed_json", "missing_field")
 _BINARY_SNIFF = 8192
+_INK = np.ones(256, dtype=np.uint8)  # 1 for a byte that is not JSON whitespace
+_INK[[9, 10, 13, 32]] = 0
 _U64 = np.uint64
 
 
@@ -89,12 +100,59 @@ class Record:
 
 
 def decode(data: bytes) -> tuple[str, int]:
-    """(text, invalid bytes replaced by U+FFFD)."""
+    """(text, invalid bytes replaced by U+FFFD); a leading byte-order mark is dropped."""
+    data = data.removeprefix(codecs.BOM_UTF8)
     try:
         return data.decode("utf-8"), 0
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - data.count("\ufffd".encode())
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def fix_surrogates(text: str) -> tuple[str, int]:
+    """(text with lone surrogates replaced by U+FFFD, how many): JSON may escape them, but no UTF-8
+    encoder (nor the tokenizers) accepts them."""
+    if text.isascii() or not _SURROGATES.search(text):
+        return text, 0
+    return _SURROGATES.subn("\ufffd", text)
+
+
+class Utf8Tally:
+    """Documents in which invalid UTF-8 was replaced by U+FFFD: counted, and where (path:line)."""
+
+    KEEP = 1000  # places listed in a report; the counts cover all
+
+    def __init__(self):
+        self.docs = self.replaced = 0
+        self.where: list[str] = []
+
+    def add(self, rec: "Record") -> None:
+        if rec.replaced:
+            self.docs += 1
+            self.replaced += rec.replaced
+            if len(self.where) < self.KEEP:
+                self.where.append(rec.id)
+
+    def to_dict(self) -> dict:
+        return {"docs": self.docs, "replaced": self.replaced, "where": self.where,
+                "where_truncated": self.docs > len(self.where)}
+
+
+def utf8_summary(tally: dict | None) -> str:
+    """One summary line from ``Utf8Tally.to_dict()`` ("" when the input was clean UTF-8)."""
+    if not tally or not tally["docs"]:
+        return ""
+    docs, where = tally["docs"], tally["where"]
+    shown = ", ".join(where[:5]) + (f" ... ({docs:,} in all, listed in the report)" if docs > 5 else "")
+    return (f"  invalid UTF-8: {tally['replaced']:,} bad sequence(s) in {docs:,} document(s) replaced by "
+            f"U+FFFD, documents kept: {shown}")
+
+
+def why(err: OSError) -> str:
+    return err.strerror or " ".join(str(err).split()) or type(err).__name__
 
 
 def looks_binary(data: bytes) -> bool:
@@ -111,7 +169,7 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
 
 
 def _path_key(relpath: str) -> int:
-    digest = hashlib.sha1(relpath.replace(os.sep, "/").encode("utf-8")).digest()
+    digest = hashlib.sha1(relpath.replace(os.sep, "/").encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big")
 
 
@@ -213,11 +271,10 @@ class TextFiles(DocSource):
 
     def read(self, index: int) -> Record:
         rel = self.relpaths[index]
-        try:
-            with open(os.path.join(self.root, rel), "rb") as f:
-                data = f.read(self.max_doc_bytes + 1)
-        except OSError as err:  # vanished or unreadable since listing
-            return Record(rel, None, "unreadable", err.strerror or type(err).__name__)
+        try:  # decompressed when the name ends in .gz or .zst
+            data = compression.read_head(os.path.join(self.root, rel), self.max_doc_bytes + 1)
+        except OSError as err:  # vanished or unreadable since listing, or corrupt
+            return Record(rel, None, "unreadable", why(err))
         if len(data) > self.max_doc_bytes:
             return Record(rel, None, "oversized", f"> {self.max_doc_bytes} bytes")
         if looks_binary(data):
@@ -233,7 +290,7 @@ class TextFiles(DocSource):
     def __repr__(self) -> str:
         # Relative paths keep the repr (and so a checkpoint's validity) independent of install
         # location; the digest makes any change to the file list visible.
-        digest = hashlib.sha1("\n".join(self.relpaths).encode()).hexdigest()[:12]
+        digest = hashlib.sha1("\n".join(self.relpaths).encode("utf-8", "surrogateescape")).hexdigest()[:12]
         return f"TextFiles({self.pattern!r}, num_files={len(self)}, digest={digest})"
 
 
@@ -248,12 +305,36 @@ def _relative_pattern(spec: str, root: str) -> str:
     return f"{parsed.kind}:{rel}"
 
 
+def glob_root(expanded: str) -> str:
+    """The directory part of a glob before its first wildcard ("raw/web" for "raw/web/*/*.jsonl")."""
+    parts = expanded.split(os.sep)
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    return os.sep.join(parts[:fixed]) or (os.sep if expanded.startswith(os.sep) else ".")
+
+
+def input_paths(spec: str | SourceSpec) -> list[tuple[str, str]]:
+    """(what, path) of everything a source may read: the glob's fixed directory, or the one file
+    it names; an output must not be, contain or lie inside any of them (maxlm.data.atomic)."""
+    spec = parse_source(spec) if isinstance(spec, str) else spec
+    what = f"source {spec.text!r}"
+    if spec.kind == "stdlib":
+        return [(what, sysconfig.get_paths()["stdlib"])]
+    expanded = os.path.expanduser(spec.path)
+    if spec.kind != "packed" and glob.has_magic(expanded):
+        return [(what, glob_root(expanded))]
+    return [(what, expanded)]
+
+
+def _unfinished_clean(directory: str) -> bool:
+    """A `clean` output whose run was killed (or still runs): audit/ exists, report.json not yet."""
+    return (os.path.isdir(os.path.join(directory, "audit"))
+            and not os.path.exists(os.path.join(directory, "report.json")))
+
+
 def _list_files(spec: SourceSpec, max_doc_bytes: int) -> tuple[str, list[str], Problems]:
     """(root, sorted relative paths of files worth reading, listing problems) for a glob."""
     expanded = os.path.expanduser(spec.path)
-    parts = expanded.split(os.sep)
-    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
-    root = os.sep.join(parts[:fixed]) or (os.sep if expanded.startswith(os.sep) else ".")
+    root = glob_root(expanded)
     problems = Problems(keep_all=True)
     kept = []
     for path in sorted(glob.glob(expanded, recursive=True)):
@@ -261,7 +342,7 @@ def _list_files(spec: SourceSpec, max_doc_bytes: int) -> tuple[str, list[str], P
         try:
             st = os.stat(path)
         except OSError as err:  # a broken symlink, a path that vanished, a loop
-            problems.add("unreadable", rel, detail=err.strerror or type(err).__name__)
+            problems.add("unreadable", rel, detail=why(err))
             continue
         if os.path.isdir(path):
             continue  # a directory matched by '**' is not a document
@@ -269,15 +350,22 @@ def _list_files(spec: SourceSpec, max_doc_bytes: int) -> tuple[str, list[str], P
             problems.add("unreadable", rel, detail="permission denied")
         elif st.st_size == 0:
             problems.add("empty", rel)
-        elif spec.kind == "files" and st.st_size > max_doc_bytes:
+        elif spec.kind == "files" and st.st_size > max_doc_bytes and not compression.kind(path):
             problems.add("oversized", rel, detail=f"{st.st_size} bytes > {max_doc_bytes}")
-        else:
+        else:  # a compressed file's size is known only when it is read
             kept.append(path)
     if not kept:
         found = sum(problems.counts.values())
-        why = f" ({found} matched but none is usable: {dict(problems.counts)})" if found else ""
-        raise ValueError(f"DataConfig.source = {spec.text!r} matched no readable files{why} "
+        why_not = f" ({found} matched but none is usable: {dict(problems.counts)})" if found else ""
+        raise ValueError(f"source {spec.text!r} matched no readable files{why_not} "
                          "(give a glob of files, e.g. 'files:corpus/**/*.txt')")
+    for directory in sorted({os.path.dirname(p) for p in kept}):
+        if _unfinished_clean(directory):
+            raise ValueError(f"source {spec.text!r}: {directory or '.'} is an unfinished `clean` output "
+                             "(audit/ but no report.json: the run was killed or is still running); "
+                             "run clean again, or leave it out of the glob")
+    for path in kept:
+        compression.require_codec(path)
     return root, [os.path.relpath(p, root) for p in kept], problems
 
 
@@ -334,9 +422,9 @@ def _get_field(obj, field: str):
 
 
 class JsonlFiles(DocSource):
-    """One document per line of JSON Lines files, its text in ``field``. Lines are located by a
-    newline scan (memory-mapped, so a 100 MB line costs a scan, not a load); blank lines are not
-    documents and are counted as ``blank_lines``."""
+    """One document per line of JSON Lines files (plain, .gz or .zst), its text in ``field``. Lines
+    are located by a newline scan over blocks (so a 100 MB line costs a scan, not a load); blank
+    lines are not documents and are counted as ``blank_lines``. CRLF line ends are fine."""
 
     def __init__(self, spec: SourceSpec, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES):
         super().__init__()
@@ -347,7 +435,7 @@ class JsonlFiles(DocSource):
             try:
                 s, n, no = self._scan(os.path.join(self.root, rel))
             except OSError as err:
-                self.problems.add("unreadable", rel, detail=err.strerror or type(err).__name__)
+                self.problems.add("unreadable", rel, detail=why(err))
                 s = n = no = np.zeros(0, np.int64)
             starts.append(s), lengths.append(n), lines.append(no), counts.append(len(s))
         self.starts = np.concatenate(starts)
@@ -357,28 +445,32 @@ class JsonlFiles(DocSource):
         self._open_handles = None
 
     def _scan(self, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                newlines = np.flatnonzero(buf == 10)
-                del buf
+        newlines, marks, size, carry = [], [], 0, 0
+        for block in compression.chunks(path):
+            buf = np.frombuffer(block, dtype=np.uint8)
+            nl = np.flatnonzero(buf == 10)
+            # Non-whitespace bytes of each line that ends in this block (a newline byte counts 0, so
+            # segments may include it); what follows the last newline carries into the next block.
+            ink = _INK[buf]
+            if len(nl):
+                per_line = np.add.reduceat(ink, np.concatenate([[0], nl[:-1] + 1]), dtype=np.int64)
+                tail = int(ink[nl[-1] + 1:].sum())
+                per_line[-1] -= tail
+                per_line[0] += carry
+                carry = tail
+            else:
+                per_line = np.zeros(0, np.int64)
+                carry += int(ink.sum())
+            newlines.append(nl + size), marks.append(per_line)
+            size += len(buf)
+        if size == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        newlines = np.concatenate(newlines)
         starts = np.concatenate([[0], newlines + 1])
-        ends = np.concatenate([newlines, [size]])
-        lengths = ends - starts
+        lengths = np.concatenate([newlines, [size]]) - starts
         numbers = np.arange(1, len(starts) + 1)
-        # Blank lines (and a final newline's empty tail) are layout, not records. "\r" alone too.
-        blank = lengths <= 1
-        if blank.any():
-            short = np.flatnonzero(blank & (lengths == 1))
-            if short.size:
-                with open(path, "rb") as f:
-                    for i in short:
-                        f.seek(starts[i])
-                        if f.read(1) not in (b"\r", b" ", b"\t"):
-                            blank[i] = False
+        # Whitespace-only lines (and a final newline's empty tail) are layout, not records.
+        blank = np.concatenate([np.concatenate(marks), [carry]]) == 0
         counted = int(blank.sum()) - (1 if lengths[-1] == 0 else 0)  # the trailing newline is not a line
         if counted > 0:
             self.problems.add("blank_lines", os.path.relpath(path, self.root), n=counted)
@@ -398,24 +490,29 @@ class JsonlFiles(DocSource):
         length = int(self.lengths[index])
         if length > self.max_doc_bytes:
             return Record(where, None, "oversized", f"{length} bytes > {self.max_doc_bytes}")
-        if self._open_handles is None:
-            self._open_handles = _Handles()
+        if self._open_handles is None:  # plain files by pread; compressed ones decompressed once
+            self._open_handles = (_Handles(), compression.Decompressed())
+        path = os.path.join(self.root, rel)
+        reader = self._open_handles[1 if compression.kind(rel) else 0]
         try:
-            data = self._open_handles.pread(os.path.join(self.root, rel), length, int(self.starts[index]))
+            data = reader.pread(path, length, int(self.starts[index]))
         except OSError as err:
-            return Record(where, None, "unreadable", err.strerror or type(err).__name__)
-        text, replaced = decode(data)
+            return Record(where, None, "unreadable", why(err))
+        text, replaced = decode(data)  # a byte-order mark before the first record is dropped
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as err:
             return Record(where, None, "malformed_json", err.msg)
+        except RecursionError:  # "[[[[..." nested deeper than Python's stack
+            return Record(where, None, "malformed_json", "nested too deeply")
         value = _get_field(obj, self.field)
         if not isinstance(value, str):
             got = "absent" if value is None else type(value).__name__
             return Record(where, None, "missing_field", f"{self.field!r} is {got}")
         if not value.strip():
             return Record(where, None, "empty")
-        return Record(where, value, replaced=replaced)
+        value, surrogates = fix_surrogates(value)
+        return Record(where, value, replaced=replaced + surrogates)
 
     def keys(self) -> np.ndarray:
         per_file = np.array([_path_key(p) for p in self.relpaths], dtype=_U64)
@@ -424,7 +521,7 @@ class JsonlFiles(DocSource):
             return _splitmix(per_file[file_of] ^ _splitmix(self.line_numbers.astype(_U64)))
 
     def __repr__(self) -> str:
-        h = hashlib.sha1("\n".join(self.relpaths).encode())
+        h = hashlib.sha1("\n".join(self.relpaths).encode("utf-8", "surrogateescape"))
         h.update(self.lengths.tobytes())
         return (f"JsonlFiles({_relative_pattern(self.spec, self.root)!r}, field={self.field!r}, "
                 f"num_files={len(self.relpaths)}, "
@@ -511,7 +608,7 @@ class ParquetFiles(DocSource):
             return _splitmix(per_file[self.groups[g, 0]] ^ _splitmix(in_file.astype(_U64)))
 
     def __repr__(self) -> str:
-        h = hashlib.sha1("\n".join(self.relpaths).encode())
+        h = hashlib.sha1("\n".join(self.relpaths).encode("utf-8", "surrogateescape"))
         h.update(self.groups.tobytes())
         return (f"ParquetFiles({_relative_pattern(self.spec, self.root)!r}, column={self.field!r}, "
                 f"num_files={len(self.relpaths)}, "
@@ -519,19 +616,26 @@ class ParquetFiles(DocSource):
 
 
 def open_source(spec: str | SourceSpec, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> DocSource:
-    """A raw document source for a spec (``packed:`` sources are opened by maxlm.data.prepare)."""
+    """A raw document source for a spec (``packed:`` sources are opened by maxlm.data.prepare).
+    A source with no document at all is a ValueError (one line naming it and what was found)."""
     spec = parse_source(spec) if isinstance(spec, str) else spec
     if spec.kind == "stdlib":
         return stdlib_files(max_doc_bytes)
     if spec.kind == "files":
         root, relpaths, problems = _list_files(spec, max_doc_bytes)
-        return TextFiles(spec.text, root, relpaths, problems, max_doc_bytes)
-    if spec.kind == "jsonl":
-        return JsonlFiles(spec, max_doc_bytes)
-    if spec.kind == "parquet":
-        return ParquetFiles(spec, max_doc_bytes)
-    raise ValueError(f"source {spec.text!r} holds packed rows, not documents: it trains as is "
-                     "(use a raw source for clean, train-tokenizer and prepare)")
+        src = TextFiles(spec.text, root, relpaths, problems, max_doc_bytes)
+    elif spec.kind == "jsonl":
+        src = JsonlFiles(spec, max_doc_bytes)
+    elif spec.kind == "parquet":
+        src = ParquetFiles(spec, max_doc_bytes)
+    else:
+        raise ValueError(f"source {spec.text!r} holds packed rows, not documents: it trains as is "
+                         "(use a raw source for clean, train-tokenizer and prepare)")
+    if len(src) == 0:
+        found = dict(src.problems.counts)
+        raise ValueError(f"source {spec.text!r} holds no documents: {len(src.relpaths)} file(s) listed"
+                         + (f", with {found}" if found else "") + " (check the glob and the field name)")
+    return src
 
 
 def get_source(spec: str, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> DocSource:

@@ -10,8 +10,9 @@ One source is a string ``KIND:WHERE[:FIELD]``:
     packed:DIR                      shards written by ``python -m maxlm.data prepare``
 
 A bare glob is read by its extension (``*.jsonl`` as JSONL, ``*.parquet`` as Parquet, anything else
-as files). Several sources separated by ``;`` (or new lines) form a mixture; ``DataConfig.weights``
-gives their sampling weights in the same order ("0.6, 0.2, 0.1, 0.1"), normalised to sum to 1:
+as files); ``.gz`` and ``.zst`` files are decompressed as they are read (``*.jsonl.gz`` is JSONL).
+Several sources separated by ``;`` (or new lines) form a mixture; ``DataConfig.weights`` gives
+their sampling weights in the same order ("0.6, 0.2, 0.1, 0.1"), normalised to sum to 1:
 
     DataConfig.source = ("packed:data/packed/web; packed:data/packed/books; "
                          "packed:data/packed/code; stdlib")
@@ -62,8 +63,8 @@ def parse_source(text: str) -> SourceSpec:
     if sep and re.fullmatch(r"[a-z][a-z0-9]+", kind):
         raise ValueError(f"DataConfig.source entry {raw!r}: unknown kind {kind!r}; "
                          f"use one of {', '.join(k + ':' for k in KINDS if k != 'stdlib')} or stdlib")
-    lower = raw.lower()
-    if lower.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+    lower = raw.lower().removesuffix(".gz").removesuffix(".zst")  # compressed: read by what is inside
+    if lower.endswith((".jsonl", ".ndjson")):
         return SourceSpec("jsonl", raw, text=raw)
     if lower.endswith(".parquet"):
         return SourceSpec("parquet", raw, text=raw)

@@ -6,7 +6,9 @@ plus ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.
 ``python -m maxlm.train --config=RUN_DIR/config.gin`` continues training from the imported weights.
 Pickle files (``pytorch_model.bin``) are never opened. The mapping is ``maxlm.hf.table``.
 
-Every user mistake is one line on stderr and exit status 2, naming the file and tensor at fault.
+Every user mistake, in the arguments or in the checkpoint (a NaN or Inf, an integer or boolean
+tensor, a wrong shape), is one line on stderr and exit status 2, naming the file and tensor at fault,
+and leaves nothing behind. The outputs appear whole or not at all (``maxlm.hf.staging``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,30 @@ from maxlm.hf.convert import import_checkpoint
 from maxlm.hf.hf_config import HFImportError
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line on stderr (not the usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"maxlm.hf: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for key, value in vars(parsed).items():
+            if isinstance(value, list):  # Python 3.11's argparse turns "--out=--" into []
+                self.error(f"argument --{key}: '--' is not a value")
+        return parsed
+
+
+def _path(text: str) -> str:
+    if not text.strip():  # "" would mean the current directory
+        raise argparse.ArgumentTypeError("an empty path is not allowed")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a path (it holds a NUL byte)")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m maxlm.hf",
         description="Move weights between Hugging Face checkpoints and maxlm run directories.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,13 +57,16 @@ def _parser() -> argparse.ArgumentParser:
             "(config.json + *.safetensors, sharded or not; pickle files are refused) into RUN_DIR:\n"
             "  RUN_DIR/params      the parameters (float32, maxlm's tree, Orbax format)\n"
             "  RUN_DIR/config.gin  the operative config; TrainConfig.init_params points at the params\n"
-            "Nothing existing is overwritten. The embedding is padded to a multiple of 128 rows\n"
-            "(zero-filled); logits past the real vocabulary are ignored by the loss."),
+            "Both appear only once complete. Nothing existing is overwritten, and RUN_DIR must not\n"
+            "be, contain or lie inside HF_DIR. NaN/Inf weights and integer or boolean tensors are\n"
+            "refused. The embedding is padded to a multiple of 128 rows (zero-filled); logits past\n"
+            "the real vocabulary are ignored by the loss."),
         epilog=("example:\n"
                 "  python -m maxlm.hf import ~/hf/Llama-3.2-1B --out runs/llama1b\n"
                 "  python -m maxlm.train --config=runs/llama1b/config.gin"))
-    imp.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors)")
-    imp.add_argument("--out", required=True, metavar="RUN_DIR",
+    imp.add_argument("hf_dir", metavar="HF_DIR", type=_path,
+                     help="Hugging Face checkpoint directory (config.json, *.safetensors)")
+    imp.add_argument("--out", required=True, metavar="RUN_DIR", type=_path,
                      help="maxlm run directory to create (must not already hold params or config.gin)")
     imp.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                      help="compute dtype written as ModelConfig.dtype (parameters stay float32; "

@@ -21,8 +21,9 @@ import numpy as np
 
 from maxlm.config import ConfigError, ModelConfig
 from maxlm.hf.hf_config import (SUPPORTED, HFExportError, HFImportError, _defaults, config_from_hf,
-                                read_hf_config, resolve)
+                                family_of, read_hf_config, resolve)
 from maxlm.hf.safetensors_io import InMemory, SafetensorsDir
+from maxlm.hf.staging import check_out, staged
 from maxlm.hf.table import IGNORED, Table, table
 
 
@@ -71,6 +72,9 @@ def _import(source: InMemory | SafetensorsDir, model_cfg: ModelConfig, family: s
     # A checkpoint of the bare base model (LlamaModel, GPT2Model) names its tensors without the prefix.
     bare = bool(source.files) and not any(name.startswith(tbl.base) for name in source.files)
     used: set[str] = set()
+    if model_cfg.n_layers > len(source.files):  # before listing a name per layer of an absurd count
+        raise HFImportError(f"{source.listing}: {len(source.files)} tensors cannot hold the "
+                            f"{model_cfg.n_layers} layers described by {config_source}")
 
     def read(name: str | None, shape: tuple[int, ...]) -> np.ndarray:
         if name is None:  # a bias HF lacks: zeros
@@ -112,10 +116,7 @@ def params_from_hf(hf_dir: str | Path, model_cfg: ModelConfig,
     hf_dir = Path(hf_dir).expanduser()
     hf = read_hf_config(hf_dir)
     config_path = hf_dir / "config.json"
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED:
-        raise HFImportError(f"{config_path}: model_type {model_type!r} is not supported "
-                            f"(maxlm imports {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
+    model_type = family_of(hf, str(config_path), HFImportError)
     resolve(model_cfg, hf, HFImportError)
     source = SafetensorsDir(hf_dir)
     try:
@@ -161,24 +162,27 @@ def export_params(params: Mapping[str, Any], model_cfg: ModelConfig,
 
 
 def import_checkpoint(hf_dir: str | Path, out: str | Path, dtype: str = "bfloat16") -> str:
-    """Write RUN_DIR/params and RUN_DIR/config.gin from a HF checkpoint; returns the summary line."""
+    """Write RUN_DIR/params and RUN_DIR/config.gin from a HF checkpoint; returns the summary line.
+
+    Every check runs before anything is written, and the two outputs appear together, complete, or
+    not at all (``maxlm.hf.staging``); config.gin names the final params path."""
     from maxlm import config as config_lib
 
-    hf_dir, run_dir = Path(hf_dir).expanduser(), Path(out).expanduser().resolve()
+    hf_dir = Path(hf_dir).expanduser()
+    run_dir = check_out(hf_dir, out)
     params_dir, gin_path = run_dir / "params", run_dir / "config.gin"
-    for existing in (params_dir, gin_path):
-        if existing.exists():
-            raise HFImportError(f"{existing}: already exists; maxlm.hf never overwrites (choose another --out)")
     hf = read_hf_config(hf_dir)
     model_cfg = config_from_hf(hf, dtype=dtype, source=str(hf_dir / "config.json"))
     try:
         sections = {name: _defaults(cls) for name, cls in config_lib.SECTIONS.items()}
         sections["model"] = dataclasses.asdict(model_cfg)
-        sections["train"].update(init_params=str(params_dir), run_dir=str(run_dir),
-                                 seq_len=min(2048, model_cfg.max_seq_len))
+        train = sections["train"]  # a short context (a small test model) shortens the sample too
+        train.update(init_params=str(params_dir), run_dir=str(run_dir),
+                     seq_len=min(2048, model_cfg.max_seq_len),
+                     sample_tokens=min(train["sample_tokens"], model_cfg.max_seq_len - 1))
         cfg = config_lib.build(**sections)
-    except ConfigError as err:
-        raise HFImportError(f"{hf_dir / 'config.json'}: {err}") from None
+    except ConfigError as err:  # built from keyword dicts, so config names its source '<bindings>'
+        raise HFImportError(f"{hf_dir / 'config.json'}: {str(err).removeprefix('<bindings>: ')}") from None
     params = params_from_hf(hf_dir, model_cfg)
     diff = _tree_diff(_flatten(params), model_cfg)
     if diff:  # a guard against table bugs
@@ -186,15 +190,11 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, dtype: str = "bfloat1
 
     from maxlm.train.checkpoint import save_params
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_params(params_dir, params)
     gin_text = config_lib.operative_gin(dataclasses.replace(cfg, source=f"maxlm.hf import {hf_dir}"))
-    tmp = gin_path.with_suffix(".gin.tmp")
-    tmp.write_text(gin_text)
-    tmp.replace(gin_path)
+    with staged(run_dir) as stage:
+        save_params(stage / "params", params)
+        (stage / "config.gin").write_text(gin_text)
     count = sum(x.size for x in _flatten(params).values())
     return (f"imported {SUPPORTED[hf['model_type']]} ({hf['model_type']}) from {hf_dir}: "
             f"{count:,} parameters ({count / 1e6:.1f}M, vocab {model_cfg.vocab_size} padded to "
             f"{model_cfg.padded_vocab}) -> {params_dir} and {gin_path}")
-
-

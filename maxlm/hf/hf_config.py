@@ -49,6 +49,15 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def family_of(hf: dict[str, Any], source: str, error: type[ValueError]) -> str:
+    """The config's model_type, when maxlm supports it; else ``error`` naming ``source``."""
+    family = hf.get("model_type")
+    if not isinstance(family, str) or family not in SUPPORTED:  # a JSON list or object is unhashable
+        raise error(f"{source}: model_type {family!r} is not supported "
+                    f"(maxlm supports {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
+    return family
+
+
 def _get(hf: dict, source: str, key: str, default: Any = ..., kind: type = int) -> Any:
     if key not in hf or hf[key] is None:
         if default is ...:
@@ -86,7 +95,7 @@ def _rope_fields(hf: dict, source: str) -> dict[str, Any]:
         rope_low_freq_factor=_get(rope, source, "low_freq_factor", kind=float),
         rope_high_freq_factor=_get(rope, source, "high_freq_factor", kind=float),
         rope_original_max_len=_get(rope, source, "original_max_position_embeddings"))
-    if float(rope.get("attention_factor") or 1.0) != 1.0:
+    if _get(rope, source, "attention_factor", 1.0, float) != 1.0:
         raise HFImportError(f"{source}: rope attention_factor = {rope['attention_factor']} is not "
                             "supported (maxlm's llama3 scaling has no attention factor)")
     return out
@@ -99,11 +108,7 @@ def config_from_hf(hf_config: dict[str, Any], *, dtype: str = "bfloat16",
     ``dtype`` is maxlm's compute dtype; parameters stay float32. The vocabulary keeps maxlm's
     padding (``vocab_multiple``): the import zero-fills rows past ``vocab_size``."""
     hf, src = hf_config, source
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED:
-        raise HFImportError(f"{src}: model_type {model_type!r} is not supported "
-                            f"(maxlm imports {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
-    if model_type == "llama":
+    if family_of(hf, src, HFImportError) == "llama":
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise HFImportError(f"{src}: hidden_act = {act!r} is not supported (Llama uses 'silu')")
@@ -135,7 +140,7 @@ def config_from_hf(hf_config: dict[str, Any], *, dtype: str = "bfloat16",
             norm_eps=_get(hf, src, "layer_norm_epsilon", 1e-5, float), activation="gelu",
             position="learned", use_bias=True, tie_embeddings=True,
             init_std=_get(hf, src, "initializer_range", 0.02, float))
-        if d % fields["n_heads"]:
+        if fields["n_heads"] > 0 and d % fields["n_heads"]:  # n_head <= 0: config.validate names it
             raise HFImportError(f"{src}: n_embd = {d} is not divisible by n_head = {fields['n_heads']}")
     return ModelConfig(**{**_defaults(ModelConfig), **fields, "dtype": dtype})
 
@@ -200,10 +205,7 @@ def resolve(model_cfg: ModelConfig, hf_config_or_family: dict[str, Any] | str,
     try:
         if isinstance(hf_config_or_family, str):
             return hf_config_or_family, config_to_hf(model_cfg, hf_config_or_family)
-        family = hf_config_or_family.get("model_type")
-        if family not in SUPPORTED:
-            raise error(f"Hugging Face config: model_type {family!r} is not supported "
-                        f"(maxlm supports {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
+        family = family_of(hf_config_or_family, "Hugging Face config", error)
         config_to_hf(model_cfg, family)
         return family, hf_config_or_family
     except HFExportError as err:

@@ -3,6 +3,8 @@ a time (sharded or not; pickle files are refused), or a dict of numpy arrays alr
 
 Both answer ``files`` (name -> where it is), ``get(name, shape, dtype)`` and ``close()``;
 ``listing`` names the source in error messages (the file, index or glob a tensor was looked for in).
+``get`` refuses what would import silently wrong (``checked``): integer or boolean tensors, which are
+not weights, and NaN or Inf, which mark a broken checkpoint.
 """
 
 from __future__ import annotations
@@ -12,13 +14,38 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, so safetensors can return them)
+import ml_dtypes  # registers bfloat16 & co. with numpy, so safetensors can return them
 import numpy as np
 
 from maxlm.hf.hf_config import HFImportError
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    if dtype.kind != "V":  # numpy's own floats are kind 'f'; ml_dtypes' (bfloat16, float8_*) are 'V'
+        return dtype.kind == "f"
+    try:
+        ml_dtypes.finfo(dtype)
+        return True
+    except ValueError:
+        return False
+
+
+def checked(value: np.ndarray, where: object, name: str, dtype: np.dtype) -> np.ndarray:
+    """``value`` as ``dtype``, or a one-line HFImportError for an integer, boolean or complex tensor,
+    or for NaN/Inf in it (before the cast) or made by the cast (a float64 beyond ``dtype``'s range)."""
+    if not _is_float(value.dtype):
+        raise HFImportError(f"{where}: tensor '{name}' has dtype {value.dtype}, expected a floating-point "
+                            "weight (float32, float16, bfloat16, ...)")
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, in one line, not as a warning
+        out = value.astype(dtype)
+    if not np.isfinite(out).all():
+        bad = out.size - np.count_nonzero(np.isfinite(value))
+        what = f"{bad} of {out.size} values are NaN or Inf" if bad else f"values overflow {np.dtype(dtype)}"
+        raise HFImportError(f"{where}: tensor '{name}': {what}; refusing to import a broken checkpoint")
+    return out
 
 
 class SafetensorsDir:
@@ -79,10 +106,11 @@ class SafetensorsDir:
             raise HFImportError(f"{path}: tensor '{name}' has shape {found}, expected {tuple(shape)} "
                                 "(from config.json)")
         try:
-            return np.asarray(handle.get_tensor(name)).astype(dtype)
+            value = np.asarray(handle.get_tensor(name))
         except Exception as err:
             raise HFImportError(f"{path}: tensor '{name}' cannot be read "
                                 f"({' '.join(str(err).split())})") from None
+        return checked(value, path, name, dtype)
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -106,7 +134,7 @@ class InMemory:
         if value.shape != tuple(shape):
             raise HFImportError(f"{self.listing}: tensor '{name}' has shape {value.shape}, "
                                 f"expected {tuple(shape)} (from the config)")
-        return value.astype(dtype)
+        return checked(value, self.listing, name, dtype)
 
     def close(self) -> None:
         pass

@@ -70,44 +70,85 @@ EPILOG = """examples:
 --gpus defaults to the product of the config's mesh degrees, times 8 where one degree is -1.
 A pipeline (MeshConfig.pipeline > 1) is planned as training runs it: its bubble, printed as
 training prints it, and its live activations follow MeshConfig.pipeline_microbatches and
-MeshConfig.pipeline_repeats. Config mistakes print one line and exit with status 2."""
+MeshConfig.pipeline_repeats. Mistakes in options or config print one line and exit with status 2.
+Nothing is written: the plan goes to stdout."""
 GB = 1e9
 HEADROOM = 0.9  # a suggested change must leave 10% of the GPU for XLA's workspace and fragmentation
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line on stderr (not the usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"maxlm.plan: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for key, value in vars(parsed).items():
+            # Python 3.11's argparse turns "--tokens=--" into [] (and appends [] to a list option)
+            if isinstance(value, list) and (key != "gin_bindings" or not all(isinstance(v, str) for v in value)):
+                self.error(f"argument --{key}: '--' is not a value")
+        return parsed
+
+
+def _number(kind: type, allowed: str, ok: Any) -> Any:
+    """An argparse type: a finite ``kind`` for which ``ok(value)`` holds; ``allowed`` says which."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+            good = math.isfinite(value) and ok(value)
+        except (TypeError, ValueError, OverflowError):  # not a number, or an int beyond float
+            good = False
+        if not good:
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed (expected {allowed})")
+        return value
+    return parse
+
+
+def _text(what: str) -> Any:
+    """An argparse type that refuses an empty or blank value."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"an empty value is not allowed (expected {what})")
+        return text
+    return parse
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Every option checked here, one line naming it, its value and what is allowed (exit 2). The
+    upper bounds of --tokens and --price_per_gpu_hour lie far beyond any real run (Llama 3: 15e12
+    tokens), so that a typo is refused instead of planned as an overflowing cost."""
     description = ("Plan a training run from its config: parameters, FLOPs, per-device memory under "
                    "the mesh, step time, GPU-hours, days and cost; --aot also compiles the real "
                    "train_step on fake CPU devices and sets XLA's memory analysis beside the estimate.")
-    p = argparse.ArgumentParser(prog="python -m maxlm.plan", description=description, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny.gin", help="gin file, or a bare name in configs/")
+    p = _Parser(prog="python -m maxlm.plan", description=description, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny.gin", type=_text("a gin file, or a bare name in configs/"),
+                   help="gin file, or a bare name in configs/")
     p.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
+                   type=_text("a binding such as 'TrainConfig.steps = 100'"),
                    help="override one field, e.g. 'ModelConfig.remat=\"full\"' (repeatable)")
-    p.add_argument("--tokens", type=float, metavar="N",
+    p.add_argument("--tokens", type=_number(float, "a number in (0, 1e18]", lambda x: 0 < x <= 1e18),
+                   metavar="N",
                    help="training tokens, e.g. 300e9 (default: steps x global_batch x seq_len)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU type (default: h100)")
-    p.add_argument("--gpus", type=int, metavar="N",
+    p.add_argument("--gpus", type=_number(int, "an integer >= 1", lambda x: x >= 1), metavar="N",
                    help="GPU count; resolves a -1 mesh degree (default: see below)")
-    p.add_argument("--mfu", type=float, default=0.45, metavar="FRACTION",
-                   help="assumed model FLOPs utilisation (default: 0.45)")
-    p.add_argument("--price_per_gpu_hour", type=float, metavar="USD",
+    p.add_argument("--mfu", type=_number(float, "a fraction in (0, 1]", lambda x: 0 < x <= 1), default=0.45,
+                   metavar="FRACTION", help="assumed model FLOPs utilisation (default: 0.45)")
+    p.add_argument("--price_per_gpu_hour", metavar="USD",
+                   type=_number(float, "a number in [0, 10000]", lambda x: 0 <= x <= 1e4),
                    help="US$ per GPU-hour (default: an assumed on-demand price per GPU type)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--aot", action="store_true",
                    help="also compile the real train_step on fake CPU devices shaped like the mesh")
-    p.add_argument("--aot_layers", type=int, default=0, metavar="K",
+    p.add_argument("--aot_layers", type=_number(int, "0 (all layers) or an integer >= 2 (a one-layer scan "
+                                                "compiles differently)", lambda x: x == 0 or x >= 2),
+                   default=0, metavar="K",
                    help="with --aot: compile K and 2K layers and scale to n_layers (default: all layers)")
     p.add_argument("--aot_stock_xla", action="store_true",
                    help="with --aot: keep XLA:CPU's default passes (adds CPU-only fp32 copies)")
-    args = p.parse_args(argv)
-    if args.aot_layers == 1 or args.aot_layers < 0:
-        p.error("--aot_layers must be 0 (all) or at least 2: a one-layer scan compiles differently")
-    if not 0 < args.mfu <= 1:
-        p.error(f"--mfu must be in (0, 1], got {args.mfu}")
-    if args.gpus is not None and args.gpus < 1:
-        p.error(f"--gpus must be positive, got {args.gpus}")
-    return args
+    return p.parse_args(argv)
 
 
 def default_gpus(mesh: config.MeshConfig) -> int:

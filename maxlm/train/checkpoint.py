@@ -19,15 +19,17 @@ Parameters alone (``save_params``/``restore_params``) use the same array format 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import orbax.checkpoint as ocp
@@ -110,6 +112,33 @@ def _hash_files(step_dir: Path) -> dict[str, str]:
     return hashes
 
 
+@contextlib.contextmanager
+def _stragglers_muted() -> Iterator[None]:
+    """When a save fails, tensorstore's pending writes call back into Orbax's already closed event
+    loop and each prints a traceback ("Event loop is closed"), during the save and after it. They
+    say nothing the one-line error does not: stderr goes to /dev/null while a save runs, and stays
+    there if it fails (the run is about to stop; the CLI prints its line to the real stderr)."""
+    saved = sys.stderr
+    sys.stderr = open(os.devnull, "w")
+    yield  # an exception leaves from here, with stderr still muted
+    sys.stderr.close()
+    sys.stderr = saved
+
+
+# What the operating system said, as tensorstore and Orbax quote it inside longer messages.
+_OS_ERRORS = ("No space left on device", "Read-only file system", "Permission denied",
+              "No such file or directory", "Disk quota exceeded")
+
+
+def _reason(err: BaseException) -> str:
+    """The cause of a failed save in a few words (the library's full text goes to library.log)."""
+    text = str(err)
+    for known in _OS_ERRORS:
+        if known in text:
+            return known
+    return f"{type(err).__name__}: {' '.join(text.split())[:200]}"
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -149,9 +178,10 @@ class Checkpointer:
                                   data=DataStateSave(data_state or {}),
                                   config=ocp.args.JsonSave(config))
         try:
-            self.manager.save(step, args=args, force=True)
-        except OSError as err:
-            raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {err}; "
+            with _stragglers_muted():
+                self.manager.save(step, args=args, force=True)
+        except Exception as err:  # noqa: BLE001 - Orbax and tensorstore raise OSError or ValueError
+            raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {_reason(err)}; "
                                   "the previous checkpoints are intact") from None
         self._last_save_time = time.monotonic()
         manifest = {"step": step, "config_hash": config_hash(config), "saved_at": time.time(), **info}
@@ -178,8 +208,8 @@ class Checkpointer:
             self._finisher = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint under {self.directory} failed: "
-                                  f"{type(err).__name__}: {err}; the previous checkpoints are intact") from None
+            raise CheckpointError(f"writing a checkpoint under {self.directory} failed: {_reason(err)}; "
+                                  "the previous checkpoints are intact (details in library.log)") from None
 
     def wait(self) -> None:
         """Block until the last save is complete and verified on disk."""
@@ -190,6 +220,13 @@ class Checkpointer:
             self._join_finisher()
         finally:
             self.manager.close()
+
+    def abandon(self) -> None:
+        """Close after a failure elsewhere: wait for the save in flight, report nothing more."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the error being raised already says what went wrong
+            pass
 
     # ---- restoring ----------------------------------------------------------------------------
 
@@ -207,6 +244,8 @@ class Checkpointer:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as err:
             return f"unreadable manifest ({err})"
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+            return "unreadable manifest (not a JSON object with a 'files' object)"
         expected = manifest.get("files", {})
         if not expected:
             return None
@@ -259,7 +298,7 @@ class Checkpointer:
         restored = self.manager.restore(step, args=args)
         manifest_path = self.directory / str(step) / MANIFEST
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-        return restored.state, restored.data, manifest
+        return restored.state, restored.data, manifest if isinstance(manifest, dict) else {}
 
     def restore_latest_good(self, abstract_state: Any, shardings: Any, before: int | None = None):
         """Restore the newest verified checkpoint (at or below ``before``), rejecting bad ones.

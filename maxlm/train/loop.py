@@ -8,7 +8,6 @@ the end. Everything inside jit is in ``maxlm.train.step``; this file holds the s
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -24,6 +23,7 @@ from maxlm import model
 from maxlm.config import Config, operative_gin
 from maxlm.train import checkpoint, metrics, optim, step
 from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
+from maxlm.train.rundir import RunDirectory, check_writable
 from maxlm.train.tasks import Task
 
 
@@ -35,15 +35,6 @@ def say(msg: str) -> None:
 def _test_nan_steps() -> set[int]:
     """Fault injection for tests: MAXLM_TEST_NAN_STEPS=5,9 poisons the batches of those steps."""
     return {int(s) for s in os.environ.get("MAXLM_TEST_NAN_STEPS", "").split(",") if s.strip()}
-
-
-def _previous_progress(run_dir: Path) -> int:
-    """The last step an earlier process of this run logged (steps past the checkpoint are redone)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
-    return max(steps, default=0)
 
 
 def _resume_source(cfg: Config, ckpt, resume_from: str) -> tuple[Any, int | None]:
@@ -106,21 +97,8 @@ class Loop:
         self.tokens_per_step = tc.global_batch * tc.seq_len
         self.optimizer = optim.make_optimizer(cfg.optim, tc.steps)
         self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable)
-        self.ckpt = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint, log=say) if cfg.checkpoint.enabled else None
         self.eval_losses: list[tuple[int, float]] = []
         self.steps_run = self.redone = 0
-
-    def prepare_run_dir(self, fresh: bool) -> int:
-        """Set old checkpoints aside on --fresh, write the operative config; returns the last logged step."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if fresh and (self.run_dir / "checkpoints").exists() and jax.process_index() == 0:
-            aside = self.run_dir / f"checkpoints_replaced_{time.strftime('%Y%m%d-%H%M%S')}"
-            (self.run_dir / "checkpoints").rename(aside)
-            say(f"--fresh: moved the existing checkpoints to {aside}")
-        previous = _previous_progress(self.run_dir)
-        if jax.process_index() == 0:
-            (self.run_dir / "config.gin").write_text(operative_gin(self.cfg))
-        return previous
 
     def start_state(self, resume_from: str | None) -> tuple[int, Any, bool]:
         """(first step, state, restored?) from a checkpoint, TrainConfig.init_params, or random."""
@@ -187,8 +165,9 @@ class Loop:
                            {"tokens_seen": at_step * self.tokens_per_step})
         return time.perf_counter() - start
 
-    def log_window(self, done: int, window: list, timed: int, elapsed: float) -> None:
+    def log_window(self, done: int, window: list, timed: int, t_window: float) -> None:
         fetched = jax.device_get(window)  # waits for the window's steps to finish
+        elapsed = max(time.perf_counter() - t_window, 1e-9)  # so measured only now
         logged = _window_metrics(fetched)
         self.last_loss = logged["loss"]
         if timed:
@@ -252,7 +231,7 @@ class Loop:
                 self.goodput.add("startup", time.perf_counter() - self.goodput.start - sum(self.goodput.seconds.values()))
                 t_window = time.perf_counter()
             if done % tc.log_every == 0 or done == tc.steps:
-                self.log_window(done, window, timed, max(time.perf_counter() - t_window, 1e-9))
+                self.log_window(done, window, timed, t_window)
                 window, timed, t_window = [], 0, time.perf_counter()
                 if self.rollback.due(self.window_fetched):
                     redo_until, done = max(redo_until, done), self.roll_back(done)
@@ -268,14 +247,34 @@ class Loop:
         return done, preempted
 
     def run(self, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
+        """Train, holding the run directory's lock throughout."""
+        with RunDirectory(self.run_dir, writer=jax.process_index() == 0, log=say) as run_dir, run_dir.library_log():
+            if fresh:
+                run_dir.set_aside_checkpoints()
+            self.previous = run_dir.previous_progress()
+            self.ckpt = None
+            if self.cfg.checkpoint.enabled:
+                if run_dir.writer:
+                    check_writable(self.run_dir / "checkpoints")  # fail now, not at the first save
+                self.ckpt = checkpoint.Checkpointer(self.run_dir, self.cfg.checkpoint, log=say)
+            try:
+                return self._run(run_dir, resume_from)
+            except BaseException:
+                if hasattr(self, "progress"):
+                    self.progress.close()
+                if self.ckpt is not None:  # stop Orbax's threads before the error leaves the loop
+                    self.ckpt.abandon()
+                raise
+
+    def _run(self, run_dir: RunDirectory, resume_from: str | None) -> dict[str, Any]:
         cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
-        self.previous = self.prepare_run_dir(fresh)
         self.recorder = metrics.RunRecorder(self.run_dir)
         self.batches = self.task.train_batches()
         self.rollback = Rollback(tc, self.restore_before)
         self.last_loss = float("nan")
         with jax.set_mesh(mesh), Preemption() as self.preemption:
             first, self.state, restored = self.start_state(resume_from)
+            run_dir.write_config(operative_gin(cfg))  # only once the restore was accepted
             redo_until = max(self.previous, first) if restored else 0
             self.train_step, self.eval_step = step.compile_steps(
                 cfg, mesh, self.optimizer, self.shardings, self.task.loss_fn, self.task.batch_spec,

@@ -77,12 +77,14 @@ class RunRecorder:
             return None
         from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
-        rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        rows = [r for r in rows if "event" not in r]
+        from maxlm.train.rundir import read_jsonl
+
+        rows = [r for r in read_jsonl(self.run_dir / "metrics.jsonl")[0]
+                if "event" not in r and isinstance(r.get("step"), (int, float))]
         fig = Figure(figsize=(7, 4))
         ax = fig.subplots()
         for key, style in (("loss", "-"), ("eval_loss", "o-")):
-            points = sorted((r["step"], r[key]) for r in rows if key in r)
+            points = sorted((r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)))
             if points:
                 ax.plot(*zip(*points), style, label=key.replace("_", " "))
         ax.set_xlabel("step")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Sequence
 
@@ -58,6 +59,14 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
     return loop.run(cfg, task, mesh, resume_from=resume_from, fresh=fresh)
 
 
+def _fail(message: str) -> int:
+    """Print the one line, then keep library threads that are still winding down (tensorstore
+    writes of a failed save) from adding their tracebacks to the terminal."""
+    print(message, file=sys.__stderr__, flush=True)
+    sys.stderr = open(os.devnull, "w")
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -71,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"maxlm.train: {err}", file=sys.stderr)
         return 2
     except (checkpoint.CheckpointError, TrainingError) as err:
-        print(f"maxlm.train: error: {err}", file=sys.stderr)
-        return 1
+        return _fail(f"maxlm.train: error: {err}")
+    except OSError as err:  # the run directory's disk: full, read-only, vanished, no permission
+        where = f" ({err.filename})" if err.filename else ""
+        return _fail(f"maxlm.train: error: {err.strerror or err}{where}; the last good checkpoint is intact")
     return 0

@@ -1,0 +1,127 @@
+"""Where ``maxlm.hf import`` writes, and how RUN_DIR/params and RUN_DIR/config.gin appear: whole, or
+not at all.
+
+Both are built in a hidden temporary sibling of RUN_DIR, ``.NAME.hf-import.tmp-PID`` (same
+filesystem, so renames are atomic), and renamed into place only when complete. A new RUN_DIR is one
+rename. Into an existing RUN_DIR, ``params`` goes first and ``config.gin`` last, so a config.gin
+always points at complete parameters (a kill between those two renames leaves params without a
+config.gin, which the next import names and refuses to overwrite). A killed import leaves only its
+hidden temporary, which nothing reads; the next import for the same RUN_DIR removes it once the
+process that made it is gone.
+
+Nothing that was there before is overwritten or deleted: existing params or config.gin are refused,
+and an --out that is, contains or lies inside HF_DIR is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from maxlm.hf.hf_config import HFImportError
+
+OUTPUTS = ("params", "config.gin")  # publishing order: config.gin last marks the import complete
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def _never_overwrite(path: Path) -> None:
+    if os.path.lexists(path):
+        raise HFImportError(f"{path}: already exists; maxlm.hf never overwrites (choose another --out)")
+
+
+def check_out(hf_dir: str | Path, out: str | Path) -> Path:
+    """The real path of RUN_DIR, after refusing (one line each) every --out an import must not
+    write to: HF_DIR itself, above or inside it, a file, below a file, or holding earlier outputs."""
+    run_dir, source = _real(out), _real(hf_dir)
+    relation = ("is" if run_dir == source else "lies inside" if source in run_dir.parents
+                else "contains" if run_dir in source.parents else "")
+    if relation:
+        raise HFImportError(f"--out {out} {relation} HF_DIR {hf_dir}; writing there could mix the "
+                            "import into its own input, so choose an --out outside it")
+    if os.path.lexists(run_dir) and not run_dir.is_dir():
+        raise HFImportError(f"{run_dir}: exists and is not a directory; --out must be a new or "
+                            "existing directory (choose another --out)")
+    ancestor = run_dir.parent
+    while not os.path.lexists(ancestor):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise HFImportError(f"{ancestor}: not a directory, so --out {out} cannot be created")
+    for name in OUTPUTS:
+        _never_overwrite(run_dir / name)
+    return run_dir
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _clear_dead_stages(run_dir: Path) -> None:
+    """Remove what killed imports into ``run_dir`` left; refuse while another import is writing."""
+    pattern = re.compile(rf"\.{re.escape(run_dir.name)}\.hf-import\.tmp-(\d+)")
+    if not run_dir.parent.is_dir():
+        return
+    for entry in sorted(run_dir.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and _pid_alive(pid):
+            raise HFImportError(f"another maxlm.hf import (pid {pid}) is writing {run_dir} now ({entry}); "
+                                f"wait for it, or remove {entry} if that process is not an import")
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _publish(stage: Path, run_dir: Path) -> None:
+    if not os.path.lexists(run_dir):
+        os.rename(stage, run_dir)  # one step: RUN_DIR appears complete or not at all
+        return
+    moved: list[str] = []
+    try:
+        for name in OUTPUTS:
+            _never_overwrite(run_dir / name)  # again: another process may have written meanwhile
+            os.rename(stage / name, run_dir / name)
+            moved.append(name)
+    except BaseException:
+        for name in moved:  # undo, so that no half of an import is left in RUN_DIR
+            os.rename(run_dir / name, stage / name)
+        raise
+
+
+@contextlib.contextmanager
+def staged(run_dir: Path) -> Iterator[Path]:
+    """A fresh hidden directory beside ``run_dir`` to write OUTPUTS into. They are published into
+    ``run_dir`` when the block completes; on any failure the directory is removed, with the parent
+    directories this made, and an OSError becomes one line."""
+    _clear_dead_stages(run_dir)
+    made = [p for p in (run_dir.parent, *run_dir.parent.parents) if not os.path.lexists(p)]
+    stage = run_dir.parent / f".{run_dir.name}.hf-import.tmp-{os.getpid()}"
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()
+        yield stage
+        missing = [name for name in OUTPUTS if not (stage / name).exists()]
+        if missing:  # a guard against bugs: never publish an incomplete import
+            raise RuntimeError(f"internal error: the import did not write {missing}")
+        _publish(stage, run_dir)
+    except OSError as err:
+        where = err.filename or run_dir
+        raise HFImportError(f"{where}: {err.strerror or err}; nothing was imported into {run_dir}") from None
+    finally:
+        if os.path.lexists(stage):
+            shutil.rmtree(stage, ignore_errors=True)
+        for path in made:  # deepest first; only the empty ones, so nothing else is ever removed
+            with contextlib.suppress(OSError):
+                path.rmdir()
