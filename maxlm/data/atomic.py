@@ -48,7 +48,8 @@ def check_disjoint(out: str, inputs: Iterable[tuple[str, str]]) -> None:
                          "could destroy or re-read the input, so choose an --out outside it")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine still runs (the owner of a temporary output)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -107,7 +108,7 @@ class Output:
             if not m:
                 continue
             path, pid = os.path.join(self.parent, entry), int(m.group(2))
-            if pid != os.getpid() and _pid_alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 raise ValueError(f"another run (pid {m.group(2)}) is writing {self.final} "
                                  f"now ({path}); wait for it, or remove {path} if that process is not ours")
             if m.group(1) == "old" and not os.path.lexists(self.final):

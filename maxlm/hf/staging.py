@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from maxlm.data.atomic import pid_alive  # one liveness check for every staged output
 from maxlm.hf.hf_config import HFImportError
 
 OUTPUTS = ("params", "config.gin")  # publishing order: config.gin last marks the import complete
@@ -58,16 +59,6 @@ def check_out(hf_dir: str | Path, out: str | Path) -> Path:
     return run_dir
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def _clear_dead_stages(run_dir: Path) -> None:
     """Remove what killed imports into ``run_dir`` left; refuse while another import is writing."""
     pattern = re.compile(rf"\.{re.escape(run_dir.name)}\.hf-import\.tmp-(\d+)")
@@ -78,7 +69,7 @@ def _clear_dead_stages(run_dir: Path) -> None:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             raise HFImportError(f"another maxlm.hf import (pid {pid}) is writing {run_dir} now ({entry}); "
                                 f"wait for it, or remove {entry} if that process is not an import")
         shutil.rmtree(entry, ignore_errors=True)

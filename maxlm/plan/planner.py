@@ -86,7 +86,8 @@ class _Parser(argparse.ArgumentParser):
         parsed = super().parse_args(args, namespace)
         for key, value in vars(parsed).items():
             # Python 3.11's argparse turns "--tokens=--" into [] (and appends [] to a list option)
-            if isinstance(value, list) and (key != "gin_bindings" or not all(isinstance(v, str) for v in value)):
+            items = value if key == "gin_bindings" else [value]
+            if any(isinstance(v, list) for v in items):
                 self.error(f"argument --{key}: '--' is not a value")
         return parsed
 
@@ -134,8 +135,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU type (default: h100)")
     p.add_argument("--gpus", type=_number(int, "an integer >= 1", lambda x: x >= 1), metavar="N",
                    help="GPU count; resolves a -1 mesh degree (default: see below)")
-    p.add_argument("--mfu", type=_number(float, "a fraction in (0, 1]", lambda x: 0 < x <= 1), default=0.45,
-                   metavar="FRACTION", help="assumed model FLOPs utilisation (default: 0.45)")
+    p.add_argument("--mfu", type=_number(float, "a fraction in (0, 1]", lambda x: 0 < x <= 1),
+                   default=0.45, metavar="FRACTION", help="assumed model FLOPs utilisation (default: 0.45)")
     p.add_argument("--price_per_gpu_hour", metavar="USD",
                    type=_number(float, "a number in [0, 10000]", lambda x: 0 <= x <= 1e4),
                    help="US$ per GPU-hour (default: an assumed on-demand price per GPU type)")
