@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, Sequence
@@ -64,6 +65,7 @@ def _fail(message: str) -> int:
     writes of a failed save) from adding their tracebacks to the terminal."""
     print(message, file=sys.__stderr__, flush=True)
     sys.stderr = open(os.devnull, "w")
+    logging.disable(logging.CRITICAL)  # asyncio reports the failed save's tasks when they are collected
     return 1
 
 
