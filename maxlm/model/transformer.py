@@ -23,9 +23,9 @@ from maxlm.model.layers import Block, LayerContext, Norm
 from maxlm.model.linear import DTYPES, Linear, param
 from maxlm.parallel.sharding import constrain
 
-# What "save_named" keeps for the backward pass: the projections, so only cheap elementwise work
-# and attention scores are recomputed.
-SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_hidden")
+# What "save_named" keeps for the backward pass: the projections and attention's output, so only
+# cheap elementwise work and attention's scores are recomputed.
+SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "attention_out", "o_proj", "mlp_hidden")
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer but its input

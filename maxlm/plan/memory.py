@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from maxlm import model, rules
+from maxlm.model import attention
 from maxlm.config import Config
 from maxlm.parallel import pipeline_parallel
 from maxlm.train import optim, step
@@ -117,17 +118,22 @@ def layer_tensors(cfg: Config, tensor: int) -> dict[str, float]:
     d, h, t = m.d_model, m.dim_per_head, cfg.train.seq_len
     heads, kv, ff = m.n_heads / tensor, m.kv_heads / tensor, m.d_ff / tensor
     flash = m.attention_impl == "cudnn"
+    # xla attention computes only its schedule's blocks: keys per query on average, and it keeps
+    # the probabilities for the backward pass only when rows are short (else recomputes them).
+    schedule = attention.self_attention_schedule(t, m.sliding_window)
+    keys = sum((hi - lo) * (hi - first) for lo, hi, first in schedule) / t
+    stored = attention.stores_scores(schedule)
     return {
         "x_in": c * d,  # the layer input (the scan carry); every policy keeps it
         "norm1": c * d,
         "qkv": c * (heads + 2 * kv) * h,
         "rope": c * (heads + kv) * h if m.position == "rope" else 0.0,
-        # xla attention materialises fp32 scores and compute-dtype probabilities [N, T, S] and a
-        # boolean mask; cuDNN's flash kernel keeps only the log-sum-exp per head.
-        "scores": 4 * heads if flash else (4 + c + 1) * heads * t,
-        # ...and its backward holds two fp32 [N, T, S] arrays at once (the softmax and the
+        # xla attention materialises fp32 scores and compute-dtype probabilities [N, T, keys] and
+        # a boolean mask; cuDNN's flash kernel keeps only the log-sum-exp per head.
+        "scores": 4 * heads if flash else (4 + c + 1) * heads * keys if stored else 0.0,
+        # ...and its backward holds two fp32 [N, T, keys] arrays at once (the softmax and the
         # scores' gradient) besides the probabilities in the compute dtype.
-        "scores_backward": 8 * heads if flash else (8 + c) * heads * t,
+        "scores_backward": 8 * heads if flash else (8 + c) * heads * keys,
         "ctx": c * heads * h,
         "o_out": c * d,
         "x_mid": c * d,
@@ -141,7 +147,7 @@ def layer_tensors(cfg: Config, tensor: int) -> dict[str, float]:
 SAVED = {
     "none": ("x_in", "norm1", "qkv", "rope", "scores", "ctx", "x_mid", "norm2", "mlp_in", "mlp_hidden"),
     "save_dots": ("x_in", "qkv", "o_out", "mlp_in"),  # no-batch-dim matmul outputs that are needed
-    "save_named": ("x_in", "qkv", "o_out", "mlp_hidden"),  # maxlm.model.transformer.SAVED_NAMES
+    "save_named": ("x_in", "qkv", "ctx", "o_out", "mlp_hidden"),  # maxlm.model.transformer.SAVED_NAMES
     "full": ("x_in",),
 }
 
