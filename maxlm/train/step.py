@@ -3,7 +3,7 @@
 A task supplies ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux)`` (``maxlm.train.tasks``);
 this module turns it into one jitted update with explicit in/out shardings and the state donated.
 What every task shares lives here once: microbatch accumulation, dynamic loss scaling, the bad-step
-guard (``maxlm.train.resilience``), clipping (in the optimizer), and a trainable mask: frozen
+guard (``maxlm.train.resilience``), global-norm clipping, and a trainable mask: frozen
 parameters are not differentiated, have no optimizer state and never change.
 """
 
@@ -175,14 +175,23 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, loss_f
         grad_norm = optax.tree.norm(grads)
         ok, finite, spike, guard = resilience.judge(cfg.train, state.guard, state.step, loss, grad_norm)
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
-        updates = jax.tree.map(lambda u: u * guard.lr_scale.astype(u.dtype), updates)
-        new_train = optax.apply_updates(train_params, updates)
-        # A bad step is skipped, never applied: params and optimizer state stay as they were.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        clip = optim.clip_factor(grad_norm, cfg.optim.grad_clip)
+
+        def apply(params, opt_state):
+            # Clipping, the update, the learning-rate scale and the step are elementwise given
+            # two scalars, so XLA fuses them into the update's pass over each parameter.
+            clipped = jax.tree.map(lambda g: g * clip.astype(g.dtype), grads)
+            updates, opt_state = optimizer.update(clipped, opt_state, params)
+            updates = jax.tree.map(lambda u: u * guard.lr_scale.astype(u.dtype), updates)
+            return optax.apply_updates(params, updates), opt_state
+
+        # A bad step is skipped, never applied: params and optimizer state stay as they were. A
+        # cond, not a where per leaf: the update runs only when applied, and no extra pass selects
+        # between old and new (with clipping outside the optimizer: ~2.5x faster update on CPU).
+        new_train, opt_state = jax.lax.cond(ok, apply, lambda p, s: (p, s), train_params, state.opt_state)
         loss_scale = state.loss_scale.update(finite) if cfg.model.dtype == "float16" else state.loss_scale
-        new_state = state.replace(step=state.step + 1, params=merge(keep(new_train, train_params), frozen),
-                                  opt_state=keep(opt_state, state.opt_state), loss_scale=loss_scale, guard=guard)
+        new_state = state.replace(step=state.step + 1, params=merge(new_train, frozen),
+                                  opt_state=opt_state, loss_scale=loss_scale, guard=guard)
         applied = state.step - state.guard.skipped
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(applied) * state.guard.lr_scale,
                    "skipped": (~ok).astype(jnp.int32), "spike": spike.astype(jnp.int32),
