@@ -5,7 +5,17 @@ checkpoints (``checkpoint``), the bad-step guard, rollback, preemption and goodp
 (``pretrain``). Imports the model, parallel, data and infer packages, never the ones above it.
 """
 
-from maxlm.train.pretrain import main, train
-from maxlm.train.resilience import TrainingError
 
 __all__ = ["TrainingError", "main", "train"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `python -m maxlm.train` can re-execute itself (maxlm.train.allocator) before
+    # anything imports jax.
+    if name in ("main", "train"):
+        from maxlm.train import pretrain
+        return getattr(pretrain, name)
+    if name == "TrainingError":
+        from maxlm.train.resilience import TrainingError
+        return TrainingError
+    raise AttributeError(f"module 'maxlm.train' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import jax
 
 from maxlm import config
 from maxlm.parallel import distributed, sharding
-from maxlm.train import checkpoint, loop, step, tasks
+from maxlm.train import allocator, checkpoint, loop, step, tasks
 from maxlm.train.resilience import TrainingError
 
 EPILOG = """examples:
@@ -70,6 +70,8 @@ def _fail(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command line, not a call from Python: run on huge-page malloc
+        allocator.use_huge_pages()
     args = parse_args(argv)
     try:
         distributed.initialize(args)  # before anything touches a device
