@@ -169,6 +169,9 @@ class DataConfig:
     prefetch: int = 2  # batches prepared ahead (per worker, or by one thread when worker_count = 0)
     max_doc_bytes: int = 33554432  # raw sources: longer documents are skipped and counted (32 MiB)
     read_threads: int = 8  # threads that read and tokenise raw documents (per worker)
+    # Raw sources: packed rows are shuffled in windows of this many rows (0 or 1: off). A long
+    # document packs into many consecutive rows; unshuffled, a batch is one file's run of rows.
+    shuffle_rows: int = 1024
     # Logical data shards, each read by one process; 0 means one per process. Fix it (e.g. to the
     # most processes the job will use) and the global batch no longer depends on the process count.
     shards: int = 0
@@ -336,7 +339,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "OptimConfig.b1": (0, 1, "[low, high)"), "OptimConfig.b2": (0, 1, "[low, high)"),
     "OptimConfig.loss_scale": (1, math.inf, "[low, high)"),
     "DataConfig.seed": (0, SEED_LIMIT, "[low, high)"), "DataConfig.eval_fraction": (0, 1, "[low, high)"),
-    **{f"DataConfig.{f}": (0, math.inf, ">= 0") for f in ("worker_count", "prefetch", "shards")},
+    **{f"DataConfig.{f}": (0, math.inf, ">= 0") for f in ("worker_count", "prefetch", "shards", "shuffle_rows")},
     **{f"DataConfig.{f}": (0, math.inf, "positive") for f in ("max_doc_bytes", "read_threads")},
     **{f"CheckpointConfig.{f}": (0, math.inf, ">= 0") for f in ("every_steps", "every_minutes", "keep_every_steps")},
     "CheckpointConfig.max_to_keep": (0, math.inf, "positive"),
