@@ -41,7 +41,7 @@ def test_tiny_learns_records_and_resumes(tmp_path):
     # The logged loss is the window's mean: it equals no single step's loss in general, and the
     # window means of a run that learns fall.
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
-    assert json.loads((run_dir / "run.json").read_text())["params"] == 3_283_200
+    assert json.loads((run_dir / "run.json").read_text())["params"] == 1_725_120
 
     # Rerunning with more steps resumes from the latest checkpoint instead of starting over.
     more = config.load(str(run_dir / "config.gin"), ["TrainConfig.steps = 30"], num_devices=8)
