@@ -95,7 +95,7 @@ def test_cli_refuses_a_mismatched_checkpoint_in_one_line(tmp_path):
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("maxlm.train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
-    assert "does not match the model" in errors[0] and "checkpoint (1, 256, 4, 64) vs model (2, 256, 4, 64)" in errors[0]
+    assert "does not match the model" in errors[0] and "checkpoint (1, 192, 4, 48) vs model (2, 192, 4, 48)" in errors[0]
 
 
 def _short(run_dir, steps=12, **extra):

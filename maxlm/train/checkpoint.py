@@ -13,6 +13,13 @@ never touches the previous checkpoint. The manifest is written last, after Orbax
 step and its files were hashed: a step without a manifest is an interrupted save, and a file whose
 hash differs is corrupt. Both are moved aside (never deleted) and the previous good step is used.
 
+Saves overlap training at little cost. Arrays are written uncompressed: on a trained float32
+state zstd saved about 7% of the bytes for about 40% more CPU per save. The background work of a
+save (Orbax's threads, tensorstore's writer threads, the hashing thread) runs at the lowest CPU
+priority (nice 19, per thread, on Linux), so on a CPU-bound host it takes the cycles the training
+step leaves idle rather than the step's; when the caller waits for a save (the next save, ``wait``,
+``close``) its threads get the caller's priority back, where the system allows raising it.
+
 Parameters alone (``save_params``/``restore_params``) use the same array format under one folder;
 ``maxlm.hf import`` writes them and ``TrainConfig.init_params`` reads them.
 """
@@ -37,6 +44,10 @@ import orbax.checkpoint as ocp
 from maxlm.config import CheckpointConfig
 
 MANIFEST = "manifest.json"
+# Niceness of a save's background threads while training runs (Linux only; 0: the training's own).
+BACKGROUND_NICE = 19
+# Orbax writes the arrays without compression unless asked (see the module docstring).
+COMPRESS_ARRAYS = False
 
 
 class CheckpointError(RuntimeError):
@@ -101,6 +112,79 @@ def _shapes(tree: Any) -> dict[str, tuple]:
     return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
+def _state_handler(compress: bool) -> ocp.PyTreeCheckpointHandler:
+    """Orbax's array handler as StandardCheckpointHandler configures it (OCDBT, 96 GB in flight),
+    with compression chosen here. Checkpoints written compressed (by older maxlm) restore as well:
+    each array's codec is recorded with it."""
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=compress,
+                                       save_concurrent_gb=96, restore_concurrent_gb=96)
+
+
+class _Priority:
+    """Lowers the CPU priority of a save's background threads while training runs, and raises it
+    back while the caller waits for the save (nothing to protect then). Per thread, Linux only
+    (elsewhere setpriority's 'process' is the whole process): a no-op on other systems.
+
+    Raising needs CAP_SYS_NICE or RLIMIT_NICE; without them a lowered thread stays low, and a save
+    the caller waits for finishes at the background priority: quickly on a host that runs only
+    the training (its threads are idle while it waits), slowly where other normal-priority
+    processes keep every core busy (nice 19 gets about 1.5% of a contended core)."""
+
+    def __init__(self, nice: int):
+        self.nice = nice if sys.platform.startswith("linux") else 0
+        self.normal = os.getpriority(os.PRIO_PROCESS, 0) if self.nice else 0  # the caller's
+        self.lowered: set[int] = set()
+        self.waiting = True  # until a save starts
+        self.lock = threading.Lock()
+
+    def lower(self, tids) -> None:
+        if not self.nice:
+            return
+        with self.lock:
+            if self.waiting:
+                return
+            for tid in tids:
+                try:
+                    if os.getpriority(os.PRIO_PROCESS, tid) < self.nice:
+                        os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+                    self.lowered.add(tid)
+                except OSError:  # the thread has exited, or the system refuses
+                    pass
+
+    def start(self) -> None:
+        with self.lock:
+            self.waiting = False
+
+    def raise_back(self) -> None:
+        """The caller is about to wait for the save: let it finish at the caller's priority."""
+        with self.lock:
+            self.waiting = True
+            for tid in self.lowered:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, self.normal)
+                except OSError:  # exited, or no privilege to raise: stays low
+                    pass
+            self.lowered.clear()
+
+
+def _tensorstore_threads() -> list[int]:
+    """Kernel ids of tensorstore's pool threads (its overseer starts the workers, which inherit
+    its niceness). Only checkpoints use tensorstore in maxlm."""
+    found = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("ts_pool"):
+                    found.append(int(tid))
+        except OSError:
+            continue
+    return found
+
+
 def _hash_files(step_dir: Path) -> dict[str, str]:
     hashes = {}
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
@@ -146,7 +230,8 @@ def config_hash(config: dict) -> str:
 class Checkpointer:
     """Saves (async) and restores (state, data-iterator state, config) by step in RUN_DIR/checkpoints."""
 
-    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, log: Callable[[str], None] = print):
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, log: Callable[[str], None] = print,
+                 compress: bool = COMPRESS_ARRAYS):
         run_dir = Path(run_dir).expanduser().resolve()  # Orbax wants absolute paths
         self.directory = run_dir / "checkpoints"
         self.rejected_dir = run_dir / "checkpoints_rejected"
@@ -155,11 +240,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_to_keep, keep_period=cfg.keep_every_steps or None,
             enable_async_checkpointing=cfg.async_save, create=True)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler(),
+        handlers = {"state": _state_handler(compress), "data": DataStateHandler(),
                     "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._finisher: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._priority = _Priority(BACKGROUND_NICE if cfg.async_save else 0)
         self._last_save_time = time.monotonic()
 
     # ---- saving -------------------------------------------------------------------------------
@@ -172,11 +258,13 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict | None, config: dict, info: dict) -> None:
         """Start a save. Returns once the arrays are copied off the devices; Orbax writes them in
-        the background and a finisher thread then hashes the files and writes the manifest."""
+        the background and a finisher thread then hashes the files and writes the manifest, all
+        at low priority (``BACKGROUND_NICE``) while training continues."""
         self._join_finisher()
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=DataStateSave(data_state or {}),
                                   config=ocp.args.JsonSave(config))
+        before = {t.ident for t in threading.enumerate()}
         try:
             with _stragglers_muted():
                 self.manager.save(step, args=args, force=True)
@@ -184,12 +272,24 @@ class Checkpointer:
             raise CheckpointError(f"saving checkpoint {step} to {self.directory} failed: {_reason(err)}; "
                                   "the previous checkpoints are intact") from None
         self._last_save_time = time.monotonic()
+        # The arrays are off the devices: from here on the save competes with the training steps.
+        # Its threads: those Orbax started for it, and tensorstore's pool (kept between saves).
+        self._priority.start()
+        self._priority.lower([t.native_id for t in threading.enumerate()
+                              if t.ident not in before and t.native_id is not None])
+        self._priority.lower(_tensorstore_threads())
         manifest = {"step": step, "config_hash": config_hash(config), "saved_at": time.time(), **info}
-        self._finisher = threading.Thread(target=self._finish, args=(step, manifest), daemon=True)
+        self._finisher = threading.Thread(target=self._finish, args=(step, manifest),
+                                          name="maxlm-checkpoint-finisher", daemon=True)
         self._finisher.start()
 
     def _finish(self, step: int, manifest: dict) -> None:
+        self._priority.lower([threading.get_native_id()])
         try:
+            if self._priority.nice:  # tensorstore starts workers as the write proceeds: lower them too
+                while self.manager.is_saving_in_progress():
+                    self._priority.lower(_tensorstore_threads())
+                    time.sleep(0.05)
             self.manager.wait_until_finished()
             if os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S"):  # fault-injection hook for tests
                 time.sleep(float(os.environ["MAXLM_TEST_MANIFEST_DELAY_S"]))
@@ -203,6 +303,7 @@ class Checkpointer:
             self._error = err
 
     def _join_finisher(self) -> None:
+        self._priority.raise_back()  # the caller waits: let the save finish at full priority
         if self._finisher is not None:
             self._finisher.join()
             self._finisher = None
@@ -293,7 +394,9 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[Any, dict, dict]:
         """(state placed with ``shardings``, data-iterator state, manifest) of checkpoint ``step``."""
         self.check_matches(step, abstract_state)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(abstract_state, shardings)),
+        target = _abstract(abstract_state, shardings)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
                                   data=DataStateRestore())
         restored = self.manager.restore(step, args=args)
         manifest_path = self.directory / str(step) / MANIFEST
