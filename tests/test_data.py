@@ -137,7 +137,8 @@ def test_packing_splits_long_documents_and_pads_the_tail():
 
 
 def test_determinism_and_reshuffle_each_epoch(corpus):
-    run = lambda seed: take(make_train_iterator(DataConfig(source=corpus, seed=seed),
+    # The document order itself, without the row-window shuffle on top (tests/test_data_shuffle.py).
+    run = lambda seed: take(make_train_iterator(DataConfig(source=corpus, seed=seed, shuffle_rows=0),
                                                 seq_len=64, global_batch=4), 30)
     a, b, c = run(0), run(0), run(1)
     assert same(a, b) and not same(a, c)
@@ -154,7 +155,7 @@ def test_determinism_and_reshuffle_each_epoch(corpus):
 def test_process_sharding_is_disjoint(corpus):
     seen = []
     for index in range(2):
-        it = make_train_iterator(DataConfig(source=corpus), seq_len=64, global_batch=4,
+        it = make_train_iterator(DataConfig(source=corpus, shuffle_rows=0), seq_len=64, global_batch=4,
                                  process_index=index, process_count=2)
         batches = take(it, 15)
         assert batches[0]["inputs"].shape == (2, 64)
