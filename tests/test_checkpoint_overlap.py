@@ -68,17 +68,23 @@ def test_a_checkpoint_saved_the_older_way_restores_and_verifies(tmp_path):
     ckpt.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_background_work_runs_at_low_priority_and_training_does_not(tmp_path, monkeypatch):
-    monkeypatch.setenv("MAXLM_TEST_MANIFEST_DELAY_S", "1.5")  # hold the finisher after the write
-    state, _, _ = _tree()
-    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+def _save_and_see_finisher_lowered(tmp_path, state):
+    """Start a save; return (checkpointer, finisher thread) once the finisher runs at low priority."""
     ckpt = checkpoint.Checkpointer(tmp_path, config.CheckpointConfig())
     ckpt.save(1, state, {}, {}, {})
     finisher = ckpt._finisher
     deadline = time.monotonic() + 1.0
     while os.getpriority(os.PRIO_PROCESS, finisher.native_id) != checkpoint.BACKGROUND_NICE:
         assert time.monotonic() < deadline, "the finisher never lowered its priority"
+    return ckpt, finisher
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_background_work_runs_at_low_priority_and_training_does_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXLM_TEST_MANIFEST_DELAY_S", "1.5")  # hold the finisher after the write
+    state, _, _ = _tree()
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ckpt, finisher = _save_and_see_finisher_lowered(tmp_path, state)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # the caller is untouched
     ckpt.wait()
     assert ckpt.problem(1) is None
@@ -111,12 +117,7 @@ def test_waiting_for_a_save_gives_its_threads_normal_priority_back(tmp_path, mon
     monkeypatch.setenv("MAXLM_TEST_MANIFEST_DELAY_S", "1.0")
     state, _, _ = _tree()
     normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    ckpt = checkpoint.Checkpointer(tmp_path, config.CheckpointConfig())
-    ckpt.save(1, state, {}, {}, {})
-    finisher = ckpt._finisher
-    deadline = time.monotonic() + 1.0
-    while os.getpriority(os.PRIO_PROCESS, finisher.native_id) != checkpoint.BACKGROUND_NICE:
-        assert time.monotonic() < deadline, "the finisher never lowered its priority"
+    ckpt, finisher = _save_and_see_finisher_lowered(tmp_path, state)
     ckpt._priority.raise_back()  # what wait(), close() and the next save() do before joining
     assert os.getpriority(os.PRIO_PROCESS, finisher.native_id) == normal
     ckpt.wait()
