@@ -223,6 +223,30 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(text.split())[:200]}"
 
 
+def checkpoint_problem(step_dir: Path) -> str | None:
+    """Why the checkpoint in ``step_dir`` cannot be trusted, or None when its manifest and hashes
+    check out. Reads only."""
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.exists():
+        return "incomplete (no manifest: the save was interrupted)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable manifest ({err})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        return "unreadable manifest (not a JSON object with a 'files' object)"
+    expected = manifest.get("files", {})
+    if not expected:
+        return None
+    actual = _hash_files(step_dir)
+    for name, digest in expected.items():
+        if name not in actual:
+            return f"missing file {name}"
+        if actual[name] != digest:
+            return f"file {name} fails its sha256"
+    return None
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -337,26 +361,7 @@ class Checkpointer:
 
     def problem(self, step: int) -> str | None:
         """Why ``step`` cannot be trusted, or None when its manifest and hashes check out."""
-        step_dir = self.directory / str(step)
-        manifest_path = step_dir / MANIFEST
-        if not manifest_path.exists():
-            return "incomplete (no manifest: the save was interrupted)"
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as err:
-            return f"unreadable manifest ({err})"
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
-            return "unreadable manifest (not a JSON object with a 'files' object)"
-        expected = manifest.get("files", {})
-        if not expected:
-            return None
-        actual = _hash_files(step_dir)
-        for name, digest in expected.items():
-            if name not in actual:
-                return f"missing file {name}"
-            if actual[name] != digest:
-                return f"file {name} fails its sha256"
-        return None
+        return checkpoint_problem(self.directory / str(step))
 
     def _move_aside(self, step: int, folder: Path, label: str) -> None:
         if self.is_writer:
@@ -432,3 +437,14 @@ def restore_params(path: str | Path, abstract_params: Any, shardings: Any) -> An
     """Read a parameter tree written by ``save_params`` onto the given shardings."""
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(Path(path).expanduser().resolve(), _abstract(abstract_params, shardings))
+
+
+def restore_state_params(step_dir: str | Path, abstract_params: Any, shardings: Any) -> Any:
+    """Only the parameters of a train checkpoint (``RUN_DIR/checkpoints/STEP``), onto the given
+    shardings: the optimizer state is never read (generation, evaluation and export need no more)."""
+    target = _abstract(abstract_params, shardings)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                  partial_restore=True)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(Path(step_dir).expanduser().resolve() / "state", args=args)["params"]
