@@ -1,4 +1,4 @@
-"""Opening trained models for use (maxlm.infer.load): which parameters are read, from where, onto
+"""Opening trained models for use (maxlm.hf.load): which parameters are read, from where, onto
 which mesh, and one line for every path that cannot be opened."""
 
 import jax
@@ -7,7 +7,7 @@ import pytest
 from helpers import small_config
 
 from maxlm import config, model
-from maxlm.infer.load import LoadError, load_model
+from maxlm.hf.load import LoadError, load_model
 from maxlm.parallel import sharding
 from maxlm.train import checkpoint, optim, step
 

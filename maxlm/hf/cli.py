@@ -1,14 +1,20 @@
-"""Hugging Face checkpoints in: ``python -m maxlm.hf import HF_DIR --out RUN_DIR``.
+"""Hugging Face checkpoints in and out: ``python -m maxlm.hf import HF_DIR --out RUN_DIR`` and
+``python -m maxlm.hf export PATH --out DIR``.
 
-Reads a Llama (``LlamaForCausalLM``) or GPT-2 (``GPT2LMHeadModel``) directory -- ``config.json``
+import reads a Llama (``LlamaForCausalLM``) or GPT-2 (``GPT2LMHeadModel``) directory -- ``config.json``
 plus ``*.safetensors`` (one file, or shards listed in ``model.safetensors.index.json``) -- and writes
 ``RUN_DIR/params`` (``maxlm.train.checkpoint.save_params``) and ``RUN_DIR/config.gin``, so that
 ``python -m maxlm.train --config=RUN_DIR/config.gin`` continues training from the imported weights.
 Pickle files (``pytorch_model.bin``) are never opened. The mapping is ``maxlm.hf.table``.
 
+export writes a run's checkpoint (or a Hugging Face directory) as a directory transformers and vLLM
+load (``maxlm.hf.export``): config.json, safetensors weights, generation_config.json, the tokenizer
+and a sha256 manifest.
+
 Every user mistake, in the arguments or in the checkpoint (a NaN or Inf, an integer or boolean
-tensor, a wrong shape), is one line on stderr and exit status 2, naming the file and tensor at fault,
-and leaves nothing behind. The outputs appear whole or not at all (``maxlm.hf.staging``).
+tensor, a wrong shape, a missing checkpoint or step, an architecture Hugging Face cannot express, a
+non-empty output directory), is one line on stderr and exit status 2, naming the file and field at
+fault, and leaves nothing behind. The outputs appear whole or not at all (``maxlm.hf.staging``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 
 from maxlm.config import ConfigError
 from maxlm.hf.convert import import_checkpoint
-from maxlm.hf.hf_config import HFImportError
+from maxlm.hf.hf_config import HFExportError, HFImportError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,14 +77,74 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                      help="compute dtype written as ModelConfig.dtype (parameters stay float32; "
                           "default: %(default)s)")
+    exp = sub.add_parser(
+        "export", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="export a maxlm checkpoint as a Hugging Face directory (transformers, vLLM)",
+        description=(
+            "Export PATH -- a maxlm run directory (its newest verified checkpoint, or --step N),\n"
+            "one RUN_DIR/checkpoints/STEP, a run made by `maxlm.hf import`, or a Hugging Face\n"
+            "directory -- as a Hugging Face directory that transformers' from_pretrained and\n"
+            "`vllm serve` load. DIR must not exist or be empty; it receives:\n"
+            "  config.json             LlamaForCausalLM or GPT2LMHeadModel, every field explicit\n"
+            "  model.safetensors       the weights (vocabulary padding cropped), metadata format=pt;\n"
+            "                          above --max-shard-gb: model-0000i-of-0000n.safetensors +\n"
+            "                          model.safetensors.index.json\n"
+            "  generation_config.json  bos/eos/pad ids, greedy decoding\n"
+            "  tokenizer.json, tokenizer_config.json, special_tokens_map.json\n"
+            "                          the run's tokenizer; Hugging Face tokenises a prompt exactly as\n"
+            "                          maxlm does (bos first, no eos)\n"
+            "  maxlm_manifest.json     sha256 and size of every file, the source and the step\n"
+            "Everything is written into a hidden sibling of DIR, renamed onto DIR last: an\n"
+            "interrupted export leaves no directory that looks complete. A model transformers\n"
+            "cannot express (e.g. ModelConfig.sliding_window > 0) is refused."),
+        epilog=("example:\n"
+                "  python -m maxlm.hf export runs/tiny --out exports/tiny --dtype bf16\n"
+                "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('exports/tiny')\"\n"
+                "  scripts/serve_vllm.sh exports/tiny --cpu"))
+    exp.add_argument("path", metavar="PATH", type=_path,
+                     help="maxlm run directory, RUN_DIR/checkpoints/STEP, or Hugging Face directory")
+    exp.add_argument("--out", required=True, metavar="DIR", type=_path,
+                     help="directory to create (must not exist, or be empty)")
+    exp.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "float32", "bfloat16"),
+                     help="dtype the weights are stored in (default: %(default)s)")
+    exp.add_argument("--step", type=_step, metavar="N",
+                     help="checkpoint step of a run directory (default: the newest verified one)")
+    exp.add_argument("--family", choices=("llama", "gpt2"),
+                     help="Hugging Face family (default: the one the ModelConfig fits: llama for "
+                          "rms+swiglu+rope, gpt2 for layer+gelu+learned)")
+    exp.add_argument("--max-shard-gb", type=_positive_float, default=5.0, metavar="GB",
+                     help="largest safetensors file before the weights are sharded, in GiB "
+                          "(default: %(default)s)")
     return parser
+
+
+def _step(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a whole number >= 0)")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        summary = import_checkpoint(args.hf_dir, args.out, args.dtype)
-    except (HFImportError, ConfigError) as err:
+        if args.command == "import":
+            summary = import_checkpoint(args.hf_dir, args.out, args.dtype)
+        else:
+            from maxlm.hf.export import export_model
+
+            summary = export_model(args.path, args.out, dtype=args.dtype, step=args.step, family=args.family,
+                                   max_shard_bytes=max(1, int(args.max_shard_gb * 2**30)))
+    except (HFImportError, HFExportError, ConfigError) as err:
         print(f"maxlm.hf: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(summary)

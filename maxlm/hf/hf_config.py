@@ -166,12 +166,17 @@ def _require(m: ModelConfig, family: str, **wanted: Any) -> None:
 def config_to_hf(model_cfg: ModelConfig, family: str) -> dict[str, Any]:
     """The Hugging Face config (as a dict) of ``model_cfg`` in ``family`` ('llama' or 'gpt2');
     ``config_from_hf`` of the result gives back ``model_cfg`` up to maxlm-only fields (dtype,
-    remat, vocab_multiple, ...). maxlm's single ``use_bias`` sets every HF bias flag."""
+    remat, vocab_multiple, ...). maxlm's single ``use_bias`` sets every HF bias flag. Every field the
+    architecture reads is written explicitly (dropouts 0: maxlm trains without dropout), so no
+    reader's defaults matter; a sliding window, which neither architecture has, is refused."""
     m = model_cfg
     if family not in SUPPORTED:
         raise HFExportError(f"family {family!r} is not supported "
                             f"(maxlm exports {', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
-    _require(m, family, sliding_window=0)
+    if m.sliding_window:
+        raise HFExportError(f"ModelConfig.sliding_window = {m.sliding_window} cannot be exported: "
+                            f"{SUPPORTED[family]} always attends to the whole prefix, so the exported model "
+                            "would compute different logits (export a model trained with sliding_window = 0)")
     common = dict(model_type=family, architectures=[SUPPORTED[family]], vocab_size=m.vocab_size,
                   initializer_range=m.init_std, tie_word_embeddings=m.tie_embeddings)
     if family == "llama":
@@ -185,7 +190,7 @@ def config_to_hf(model_cfg: ModelConfig, family: str) -> dict[str, Any]:
                     num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, head_dim=m.dim_per_head,
                     max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, hidden_act="silu",
                     rope_theta=m.rope_theta, rope_scaling=rope, attention_bias=m.use_bias,
-                    mlp_bias=m.use_bias)
+                    mlp_bias=m.use_bias, attention_dropout=0.0, pretraining_tp=1, use_cache=True)
     # GPT-2 always has biases and a tied head, and one head count that splits d_model evenly.
     _require(m, family, norm="layer", activation="gelu", position="learned", use_bias=True,
              tie_embeddings=True)
@@ -194,8 +199,10 @@ def config_to_hf(model_cfg: ModelConfig, family: str) -> dict[str, Any]:
                             f"gpt2 ({SUPPORTED[family]} needs n_kv_heads = n_heads and "
                             "head_dim = d_model / n_heads)")
     return dict(common, n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads, n_inner=m.d_ff,
-                n_positions=m.max_seq_len, layer_norm_epsilon=m.norm_eps, activation_function="gelu_new",
-                scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
+                n_positions=m.max_seq_len, n_ctx=m.max_seq_len, layer_norm_epsilon=m.norm_eps,
+                activation_function="gelu_new", scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                reorder_and_upcast_attn=False, add_cross_attention=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, use_cache=True)
 
 
 def resolve(model_cfg: ModelConfig, hf_config_or_family: dict[str, Any] | str,

@@ -11,6 +11,10 @@ process that made it is gone.
 
 Nothing that was there before is overwritten or deleted: existing params or config.gin are refused,
 and an --out that is, contains or lies inside HF_DIR is refused.
+
+``maxlm.hf export`` publishes a whole directory the same way (``staged_dir``): it is built in
+``.NAME.hf-export.tmp-PID`` and renamed onto --out (absent or empty) only once every file and the
+manifest are written, so an interrupted export never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from maxlm.data.atomic import pid_alive  # one liveness check for every staged output
-from maxlm.hf.hf_config import HFImportError
+from maxlm.hf.hf_config import HFExportError, HFImportError
 
 OUTPUTS = ("params", "config.gin")  # publishing order: config.gin last marks the import complete
 
@@ -59,9 +63,9 @@ def check_out(hf_dir: str | Path, out: str | Path) -> Path:
     return run_dir
 
 
-def _clear_dead_stages(run_dir: Path) -> None:
-    """Remove what killed imports into ``run_dir`` left; refuse while another import is writing."""
-    pattern = re.compile(rf"\.{re.escape(run_dir.name)}\.hf-import\.tmp-(\d+)")
+def _clear_dead_stages(run_dir: Path, verb: str = "import", error: type[ValueError] = HFImportError) -> None:
+    """Remove what killed imports (exports) into ``run_dir`` left; refuse while another is writing."""
+    pattern = re.compile(rf"\.{re.escape(run_dir.name)}\.hf-{verb}\.tmp-(\d+)")
     if not run_dir.parent.is_dir():
         return
     for entry in sorted(run_dir.parent.iterdir()):
@@ -70,8 +74,8 @@ def _clear_dead_stages(run_dir: Path) -> None:
             continue
         pid = int(match.group(1))
         if pid != os.getpid() and pid_alive(pid):
-            raise HFImportError(f"another maxlm.hf import (pid {pid}) is writing {run_dir} now ({entry}); "
-                                f"wait for it, or remove {entry} if that process is not an import")
+            raise error(f"another maxlm.hf {verb} (pid {pid}) is writing {run_dir} now ({entry}); "
+                        f"wait for it, or remove {entry} if that process is not an {verb}")
         shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -110,6 +114,52 @@ def staged(run_dir: Path) -> Iterator[Path]:
     except OSError as err:
         where = err.filename or run_dir
         raise HFImportError(f"{where}: {err.strerror or err}; nothing was imported into {run_dir}") from None
+    finally:
+        if os.path.lexists(stage):
+            shutil.rmtree(stage, ignore_errors=True)
+        for path in made:  # deepest first; only the empty ones, so nothing else is ever removed
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------
+# maxlm.hf export: one directory, published by one rename
+
+
+def check_export_out(out: str | Path) -> Path:
+    """The real path of an export's --out, after refusing (one line each) a file, a path below a
+    file, and a non-empty directory (an export never merges into or overwrites anything)."""
+    path = _real(out)
+    if os.path.lexists(path):
+        if not path.is_dir():
+            raise HFExportError(f"--out {out}: exists and is not a directory (choose a new directory)")
+        if any(path.iterdir()):
+            raise HFExportError(f"--out {out}: directory exists and is not empty; maxlm.hf export never "
+                                "overwrites (choose a new directory or remove this one)")
+    ancestor = path.parent
+    while not os.path.lexists(ancestor):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise HFExportError(f"{ancestor}: not a directory, so --out {out} cannot be created")
+    return path
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A fresh hidden sibling of ``out`` to write an export into, renamed onto ``out`` (absent or
+    an empty directory) when the block completes. On any failure it is removed, with the parent
+    directories this made; an OSError becomes a one-line HFExportError."""
+    _clear_dead_stages(out, "export", HFExportError)
+    made = [p for p in (out.parent, *out.parent.parents) if not os.path.lexists(p)]
+    stage = out.parent / f".{out.name}.hf-export.tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage.mkdir()
+        yield stage
+        os.rename(stage, out)  # atomic; fails (ENOTEMPTY) if --out was filled meanwhile
+    except OSError as err:
+        where = err.filename or out
+        raise HFExportError(f"{where}: {err.strerror or err}; nothing was exported to {out}") from None
     finally:
         if os.path.lexists(stage):
             shutil.rmtree(stage, ignore_errors=True)

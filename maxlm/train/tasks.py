@@ -76,8 +76,10 @@ def pretraining(cfg: Config, forward: Callable) -> Task:
 
     def sample(params) -> str:
         prompt = tokenizer.encode("def ", add_eos=False)
-        tokens = generate.sample(cfg.model, params, prompt, cfg.train.sample_tokens, seed=cfg.train.seed)
-        return "def " + tokenizer.decode(tokens)
+        result = generate.run(cfg.model, params, [prompt], cfg.train.sample_tokens, tokenizer=tokenizer,
+                              sampling=generate.SamplingParams(temperature=0.8, top_k=40),
+                              stop_tokens=[tokenizer.eos_id], seed=cfg.train.seed)
+        return "def " + result.texts[0]
 
     return Task("pretraining", lm_loss(forward, cfg.model.vocab_size, cfg.train.z_loss), LM_BATCH,
                 train_batches, eval_batches, sample=sample if cfg.train.sample_tokens else None)

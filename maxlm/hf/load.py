@@ -26,7 +26,7 @@ import numpy as np
 from maxlm import config as config_lib
 from maxlm import model
 from maxlm.config import Config, ModelConfig
-from maxlm.parallel import sharding
+from maxlm.infer.placement import inference_mesh, param_shardings
 
 
 class LoadError(ValueError):
@@ -43,19 +43,6 @@ class LoadedModel:
     step: int | None = None  # the training step of a checkpoint
     run_config: Config | None = None  # the whole config of a run directory (None for HF dirs)
     hf_config: dict | None = None  # config.json of a Hugging Face directory
-
-
-def inference_mesh(tensor: int = 1) -> jax.sharding.Mesh:
-    """The first ``tensor`` devices, all on the ``tensor`` axis."""
-    devices = jax.devices()
-    if not 1 <= tensor <= len(devices):
-        raise LoadError(f"--tensor = {tensor} must lie in [1, {len(devices)}] (the devices jax sees)")
-    return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": tensor, "pipeline": 1}, devices[:tensor])
-
-
-def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Any:
-    names = sharding.logical_specs(model.abstract_params(cfg, boxed=True))
-    return sharding.mesh_shardings(names, mesh)
 
 
 def _check_tensor(cfg: ModelConfig, mesh: jax.sharding.Mesh, source: str) -> None:
@@ -160,7 +147,11 @@ def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> Loaded
     if (hf_dir / "tokenizer.json").is_file():
         from maxlm.hf.tokenizer_files import load_tokenizer
 
-        tokenizer = load_tokenizer(hf_dir)
+        try:
+            tokenizer = load_tokenizer(hf_dir)
+        except (OSError, ValueError) as err:
+            raise LoadError(f"{hf_dir / 'tokenizer.json'}: cannot be loaded "
+                            f"({' '.join(str(err).split())[:300]})") from None
     return LoadedModel(cfg, params, tokenizer, mesh, str(hf_dir), None, None, hf)
 
 
@@ -175,7 +166,10 @@ def load_model(path: str | Path, *, step: int | None = None, dtype: str | None =
     if not path.exists():
         raise LoadError(f"{path}: does not exist (expected a maxlm run directory, RUN_DIR/checkpoints/STEP "
                         "or a Hugging Face directory)")
-    mesh = inference_mesh(tensor)
+    try:
+        mesh = inference_mesh(tensor)
+    except ValueError as err:
+        raise LoadError(str(err)) from None
     if (path / "config.gin").is_file():
         return _load_run(path, None, step, dtype, mesh)
     if path.name.isdigit() and path.parent.name == "checkpoints" and (path.parent.parent / "config.gin").is_file():

@@ -1,0 +1,240 @@
+"""maxlm models out to Hugging Face: ``python -m maxlm.hf export PATH --out DIR``.
+
+``export_model`` reads PATH with ``maxlm.hf.load.load_model`` (a run directory's newest verified
+checkpoint or ``--step``, one ``RUN_DIR/checkpoints/STEP``, an imported run, or a Hugging Face
+directory) and writes a directory that ``transformers`` and ``vllm serve`` load:
+
+  config.json                  every field the architecture reads, explicitly (plus dtype, token ids)
+  model.safetensors            metadata {"format": "pt"}; above ``max_shard_bytes`` instead
+                               model-0000i-of-0000n.safetensors + model.safetensors.index.json
+  generation_config.json       bos/eos/pad ids, greedy decoding
+  tokenizer.json, tokenizer_config.json, special_tokens_map.json   (``maxlm.hf.tokenizer_files``)
+  maxlm_manifest.json          sha256 and size of every other file, the source and step
+
+The weights go through ``maxlm.hf.table`` (the same rows as the import, so import -> export is
+bit-exact); the vocabulary padding is cropped. Everything is written into a hidden sibling of DIR
+that is renamed onto DIR last (``maxlm.hf.staging.staged_dir``): an interrupted export leaves no
+directory that looks complete. Every user mistake is a one-line ``HFExportError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # registers bfloat16 with numpy, so safetensors can write it
+import numpy as np
+
+from maxlm.config import ModelConfig
+from maxlm.hf.convert import export_params
+from maxlm.hf.hf_config import SUPPORTED, HFExportError, config_to_hf
+from maxlm.hf.safetensors_io import INDEX_FILE
+from maxlm.hf.staging import check_export_out, staged_dir
+
+MANIFEST = "maxlm_manifest.json"
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+# Tokenizer files a Hugging Face source directory may hold; an export of it copies them unchanged.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def infer_family(cfg: ModelConfig) -> str:
+    """'llama' for RMSNorm + SwiGLU + RoPE, 'gpt2' for LayerNorm + GELU + learned positions."""
+    shape = (cfg.norm, cfg.activation, cfg.position)
+    if shape == ("rms", "swiglu", "rope"):
+        return "llama"
+    if shape == ("layer", "gelu", "learned"):
+        return "gpt2"
+    raise HFExportError(f"ModelConfig norm={cfg.norm!r}, activation={cfg.activation!r}, position="
+                        f"{cfg.position!r} fits neither llama (rms, swiglu, rope) nor gpt2 (layer, gelu, "
+                        "learned); no Hugging Face architecture computes this model")
+
+
+def _token_ids(loaded: Any) -> dict[str, Any]:
+    """bos/eos/pad ids: a Hugging Face source keeps its config.json's, a maxlm run takes its
+    tokenizer's (None without one)."""
+    if loaded.hf_config is not None:
+        return {n: loaded.hf_config.get(f"{n}_token_id") for n in ("bos", "eos", "pad")}
+    return {n: getattr(loaded.tokenizer, f"{n}_id", None) for n in ("bos", "eos", "pad")}
+
+
+def export_config(cfg: ModelConfig, family: str, dtype: str, ids: dict[str, Any]) -> dict[str, Any]:
+    """config.json: ``config_to_hf`` plus the stored dtype (``dtype`` for transformers v5,
+    ``torch_dtype`` for v4 and vLLM) and the special token ids."""
+    hf = config_to_hf(cfg, family)
+    return {**hf, "dtype": dtype, "torch_dtype": dtype, **{f"{n}_token_id": i for n, i in ids.items()}}
+
+
+def generation_config(ids: dict[str, Any]) -> dict[str, Any]:
+    # Greedy, as maxlm.generate defaults to; sampling settings are the caller's choice.
+    return {**{f"{n}_token_id": i for n, i in ids.items()}, "do_sample": False}
+
+
+def plan_shards(tensors: dict[str, np.ndarray], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per file, in order, each file at most ``max_shard_bytes`` (a bigger tensor gets
+    a file of its own), as ``save_pretrained`` splits them."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, x in tensors.items():
+        nbytes = x.size * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _write_shard(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: np.dtype, max_shard_bytes: int,
+                  mode: int = 0o644) -> list[str]:
+    """The safetensors file(s) (+ index when sharded); casts one shard at a time to bound memory.
+    safetensors creates its files owner-only; ``mode`` makes them as readable as the other files
+    (a server often runs as another user)."""
+    groups = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+    names = shard_names(len(groups))
+    weight_map, total = {}, 0
+    for file, group in zip(names, groups):
+        shard = {name: np.ascontiguousarray(tensors[name], dtype=dtype) for name in group}
+        _write_shard(out / file, shard)
+        os.chmod(out / file, mode)
+        total += sum(x.nbytes for x in shard.values())
+        weight_map.update(dict.fromkeys(group, file))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        names.append(INDEX_FILE)
+    return names
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(out: Path, info: dict[str, Any]) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (out / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=2) + "\n")
+
+
+def verify_manifest(out: str | Path) -> str | None:
+    """None when every file listed in DIR's manifest is there with its size and sha256, else what
+    is wrong (one line). For checking an export after copying it around."""
+    out = Path(out)
+    try:
+        files = json.loads((out / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{out / MANIFEST}: unreadable ({' '.join(str(err).split())})"
+    for name, want in files.items():
+        path = out / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+            return f"{path}: size or sha256 differs from {MANIFEST}"
+    return None
+
+
+def _load(path_or_loaded: Any, step: int | None) -> Any:
+    from maxlm.hf.load import LoadedModel, LoadError, load_model
+
+    if isinstance(path_or_loaded, LoadedModel):
+        if step is not None and path_or_loaded.step != step:
+            raise HFExportError(f"{path_or_loaded.source}: holds step {path_or_loaded.step}, not --step {step}")
+        return path_or_loaded
+    try:
+        return load_model(path_or_loaded, step=step, dtype="float32")
+    except LoadError as err:
+        raise HFExportError(str(err)) from None
+
+
+def _check_tokenizer(loaded: Any, cfg: ModelConfig) -> None:
+    """Refuse, before anything is written, a tokenizer the export cannot write or the model cannot use."""
+    from maxlm.data.tokenizer import BPETokenizer, ByteTokenizer
+
+    tok = loaded.tokenizer
+    if loaded.hf_config is not None or tok is None:
+        return
+    if not isinstance(tok, (ByteTokenizer, BPETokenizer)):
+        raise HFExportError(f"{loaded.source}: a {type(tok).__name__} cannot be exported "
+                            "(maxlm exports its byte and BPE tokenizers)")
+    if tok.vocab_size > cfg.vocab_size:
+        raise HFExportError(f"{loaded.source}: the tokenizer has {tok.vocab_size} tokens but "
+                            f"ModelConfig.vocab_size = {cfg.vocab_size}; the model cannot embed them all")
+
+
+def _write_tokenizer(loaded: Any, stage: Path, cfg: ModelConfig) -> str:
+    """The tokenizer files; returns what was written, for the summary line."""
+    from maxlm.hf.tokenizer_files import write_tokenizer
+
+    if loaded.hf_config is not None:  # a Hugging Face source: its own files, unchanged
+        src = Path(loaded.source)
+        copied = [name for name in HF_TOKENIZER_FILES if (src / name).is_file()]
+        for name in copied:
+            shutil.copyfile(src / name, stage / name)
+        return f"tokenizer copied from {src}" if copied else "no tokenizer"
+    if loaded.tokenizer is None:
+        return "no tokenizer"
+    write_tokenizer(loaded.tokenizer, stage, model_max_length=cfg.max_seq_len)
+    return f"{loaded.tokenizer.name} tokenizer"
+
+
+def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str = "float32", step: int | None = None,
+                 family: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
+    """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
+    returns the summary line. ``dtype`` is the stored dtype (float32/fp32 or bfloat16/bf16);
+    ``family`` ('llama' | 'gpt2') defaults to the one the ModelConfig fits. Checks everything it
+    can before loading the weights, and refuses a non-empty ``out``."""
+    if dtype not in DTYPE_ALIASES:
+        raise HFExportError(f"--dtype {dtype!r} is not one of fp32, bf16 (float32, bfloat16)")
+    dtype = DTYPE_ALIASES[dtype]
+    if family is not None and family not in SUPPORTED:
+        raise HFExportError(f"--family {family!r} is not supported (maxlm exports "
+                            f"{', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
+    if max_shard_bytes < 1:
+        raise HFExportError(f"max_shard_bytes = {max_shard_bytes} must be positive")
+    out_path = check_export_out(out)
+    loaded = _load(path_or_loaded, step)
+    cfg = loaded.cfg
+    family = family or infer_family(cfg)
+    ids = _token_ids(loaded)
+    config = export_config(cfg, family, dtype, ids)
+    _check_tokenizer(loaded, cfg)
+    from maxlm.hf.load import to_numpy
+
+    tensors = export_params(to_numpy(loaded.params), cfg, family)
+    check_export_out(out)  # again: the load may have taken minutes
+    with staged_dir(out_path) as stage:
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        mode = (stage / "config.json").stat().st_mode & 0o777  # the umask's choice for new files
+        files = write_weights(stage, tensors, DTYPES[dtype], max_shard_bytes, mode)
+        (stage / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2) + "\n")
+        tokenizer = _write_tokenizer(loaded, stage, cfg)
+        write_manifest(stage, {"format": "maxlm.hf export 1", "source": str(loaded.source), "step": loaded.step,
+                               "family": family, "architecture": SUPPORTED[family], "dtype": dtype})
+    count = sum(x.size for x in tensors.values())
+    size = count * DTYPES[dtype].itemsize
+    weights = files[0] if len(files) == 1 else f"{len(files) - 1} shards + {INDEX_FILE}"
+    at = f" (step {loaded.step})" if loaded.step is not None else ""
+    return (f"exported {SUPPORTED[family]} ({family}) from {loaded.source}{at}: {count:,} parameters "
+            f"({count / 1e6:.1f}M, vocab {cfg.vocab_size}), {dtype} {size / 2**20:.1f} MiB in {weights}, "
+            f"{tokenizer}, manifest {MANIFEST} -> {out_path}")

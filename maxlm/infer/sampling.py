@@ -1,0 +1,99 @@
+"""Choosing the next token from logits: repetition penalty, temperature, top-k, top-p, in the order
+Hugging Face's ``generate`` applies them (the penalty is a logits processor, the rest are warpers).
+
+What is traced depends only on ``SamplingParams.mode()`` (greedy or not, top-k's k, whether top-p
+and the penalty are on), so greedy decoding carries no sort, no random draw and no seen-token mask;
+the values (temperature, top-p, penalty) are run-time inputs (``knobs``), so changing them does not
+recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Mode(NamedTuple):
+    """The static part of the sampling settings: what the compiled code contains."""
+
+    greedy: bool
+    top_k: int
+    top_p: bool
+    penalised: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 are off; repetition_penalty 1 is off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def problem(self) -> str | None:
+        """The first out-of-range setting as one line, else None."""
+        if not self.temperature >= 0:  # also catches NaN
+            return f"temperature = {self.temperature} must be >= 0 (0 is greedy)"
+        if self.top_k < 0:
+            return f"top_k = {self.top_k} must be >= 0 (0 keeps every token)"
+        if not 0 < self.top_p <= 1:
+            return f"top_p = {self.top_p} must lie in (0, 1] (1 keeps every token)"
+        if not self.repetition_penalty > 0:
+            return f"repetition_penalty = {self.repetition_penalty} must be > 0 (1 is off)"
+        return None
+
+    def mode(self) -> Mode:
+        greedy = self.temperature == 0
+        return Mode(greedy, 0 if greedy else self.top_k, not greedy and self.top_p < 1.0,
+                    self.repetition_penalty != 1.0)
+
+    def knobs(self) -> np.ndarray:
+        """The run-time values: [temperature, top_p, repetition_penalty], float32."""
+        return np.array([self.temperature or 1.0, self.top_p, self.repetition_penalty], np.float32)
+
+
+def mask_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, V_padded] float32 logits with the padding rows of the vocabulary at -inf. Masking keeps
+    the padded width, which the tensor axis divides (slicing to vocab_size would gather it)."""
+    logits = logits.astype(jnp.float32)
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+
+
+def penalise(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
+    """Hugging Face's RepetitionPenaltyLogitsProcessor: a token already in the prompt or the output
+    has its logit divided by ``penalty`` when positive, multiplied when negative."""
+    hit = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(seen, hit, logits)
+
+
+def _top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep the most likely tokens whose probabilities sum to ``top_p`` (at least the first one):
+    a token stays while the mass of the tokens ranked above it is below top_p."""
+    ranked = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    above = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.sum(above < top_p, axis=-1, keepdims=True)  # >= 1: the first token has nothing above
+    threshold = jnp.take_along_axis(ranked, kept - 1, axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def pick(logits: jax.Array, key: jax.Array, mode: Mode, knobs: jax.Array, seen: jax.Array | None = None) -> jax.Array:
+    """The next token of each row, [B] int32, from [B, V] float32 logits (padding already masked);
+    ``knobs`` as ``SamplingParams.knobs``."""
+    temperature, top_p, penalty = knobs[0], knobs[1], knobs[2]
+    if mode.penalised:
+        logits = penalise(logits, seen, penalty)
+    if mode.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if mode.top_k:
+        kth = jax.lax.top_k(logits, min(mode.top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if mode.top_p:
+        logits = _top_p(logits, top_p)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
