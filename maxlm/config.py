@@ -211,6 +211,10 @@ class TrainConfig:
     spike_warmup: int = 50  # steps before spikes are judged
     rollback_after: int = 0  # after this many consecutive bad steps, restore the last checkpoint; 0: off
     rollback_lr_factor: float = 0.5  # and scale the learning rate by this from then on
+    # Tasks evaluated with every eval (every eval_every steps and at the end), logged as
+    # eval/<task>/<metric>: comma-separated task files or names, as `python -m maxlm.eval --task`
+    # takes them (maxlm/eval/tasks.py), e.g. "perplexity:stdlib, data/mmlu_dev.jsonl". "" = none.
+    eval_tasks: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,6 +380,57 @@ def _check_ranges(cfg: Config) -> None:
                 raise ConfigError(f"{cfg.source}: {key} = {value} must lie in {interval}")
 
 
+def eval_task_problem(spec: str) -> str | None:
+    """What is wrong with one evaluation task entry (``maxlm.eval --task`` or an item of
+    TrainConfig.eval_tasks), judged without reading any file; None if nothing. A task file is
+    told from a task name by a suffix or a directory (``./NAME``)."""
+    if not spec:
+        return "an empty entry"
+    if spec == "perplexity":
+        return None
+    if spec.startswith("perplexity:"):
+        source = spec.removeprefix("perplexity:").strip()
+        if not source:
+            return f"{spec!r} names no data source after 'perplexity:' (e.g. perplexity:stdlib)"
+        if source.startswith("packed:"):
+            return f"{spec!r}: packed rows have no documents to score; name the raw source instead"
+        return None
+    if re.fullmatch(r"[A-Za-z0-9_\-]+", spec):
+        return (f"unknown task {spec!r}: give a task file (FILE.jsonl, a text file, ./NAME), "
+                "'perplexity' or 'perplexity:SOURCE'")
+    return None
+
+
+def eval_task_name(spec: str) -> str:
+    """The name a task's metrics are logged under (eval/<name>/<metric>)."""
+    if spec == "perplexity":
+        return "perplexity"
+    if spec.startswith("perplexity:"):
+        return "perplexity_" + re.sub(r"[^A-Za-z0-9]+", "_", spec.removeprefix("perplexity:")).strip("_")
+    return re.sub(r"[^A-Za-z0-9_\-]+", "_", Path(spec).stem) or "task"
+
+
+def eval_task_list(value: str) -> list[str]:
+    """TrainConfig.eval_tasks (or one --task) as its comma-separated entries."""
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _check_eval_tasks(src: str, value: str) -> None:
+    """Each TrainConfig.eval_tasks entry well formed (task files are read when training starts)."""
+    entries = eval_task_list(value)
+    if value.strip() and not entries:
+        raise ConfigError(f"{src}: TrainConfig.eval_tasks = {value!r} names no task")
+    for entry in entries:
+        problem = eval_task_problem(entry)
+        if problem:
+            raise ConfigError(f"{src}: TrainConfig.eval_tasks: {problem}")
+    names = [eval_task_name(e) for e in entries]
+    for entry, name in zip(entries, names):
+        if names.count(name) > 1:
+            raise ConfigError(f"{src}: TrainConfig.eval_tasks lists two tasks named {name!r} "
+                              f"(e.g. {entry!r}); each needs its own name for its metrics")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject inconsistent settings before anything compiles; each failure is one line."""
     _check_types(cfg)
@@ -409,6 +464,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if t.sample_tokens >= m.max_seq_len:
         raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
                           f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
+    _check_eval_tasks(src, t.eval_tasks)
     if m.attention_impl == "pallas":
         raise ConfigError(f"{src}: ModelConfig.attention_impl = 'pallas' is not available yet "
                           "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")

@@ -151,10 +151,25 @@ class Loop:
                 loss_sum, w = jax.device_get(self.eval_step(self.state.params, batch))
                 total, weight = total + float(loss_sum), weight + float(w)
             loss = total / max(weight, 1.0)
+            tasks = self.evaluator.logged(self.eval_tasks, self.state.params) if self.eval_tasks else {}
         self.eval_losses.append((at_step, loss))
-        self.recorder.log(at_step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
-        say(f"step {at_step}: eval loss {loss:.4f}")
+        self.recorder.log(at_step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), **tasks})
+        say(f"step {at_step}: eval loss {loss:.4f}" + "".join(f", {k.removeprefix('eval/')} {v:.4g}"
+                                                          for k, v in tasks.items()))
         return time.perf_counter() - start
+
+    def open_eval_tasks(self) -> list:
+        """TrainConfig.eval_tasks, read now so that a bad task file stops the run before step 1."""
+        if not self.cfg.train.eval_tasks:
+            return []
+        from maxlm.eval import TaskError
+        from maxlm.eval.evaluator import Evaluator
+
+        try:
+            self.evaluator, tasks = Evaluator.for_training(self.cfg, self.mesh, step.model_forward(self.cfg, self.mesh))
+        except TaskError as err:
+            raise TrainingError(f"TrainConfig.eval_tasks: {err}") from None
+        return tasks
 
     def save(self, at_step: int) -> float:
         """Start a checkpoint; returns the seconds the loop was blocked."""
@@ -280,6 +295,7 @@ class Loop:
                 cfg, mesh, self.optimizer, self.shardings, self.task.loss_fn, self.task.batch_spec,
                 self.task.trainable)
             self.eval_data = [step.device_batch(b, mesh, self.task.batch_spec) for b in self.task.eval_batches()]
+            self.eval_tasks = self.open_eval_tasks()
             self.describe(first)
             if first == 0 and first < tc.steps:
                 self.evaluate(0)  # the baseline the run is judged against

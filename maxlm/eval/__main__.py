@@ -1,0 +1,5 @@
+import sys
+
+from maxlm.eval.cli import main
+
+sys.exit(main())
