@@ -2,6 +2,7 @@
 lm-evaluation-harness, each in its own virtual environment (their pins clash with ours), built by
 ``scripts/setup_peer_envs.sh`` under ``$MAXLM_PEER_ENVS`` (default ``~/.cache/maxlm/peer-envs``)."""
 
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -18,14 +19,19 @@ def peer_python(name: str) -> Path | None:
     return python if python.is_file() else None
 
 
+@functools.cache
+def _imports(python: Path, module: str) -> bool:
+    """Whether ``python`` imports ``module``: asked once per test process (importing vllm takes
+    tens of seconds)."""
+    return subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, check=False).returncode == 0
+
+
 def require_peer(name: str) -> Path:
     """The peer's python, or skip the test saying how to build it. In CI (CI=true) a missing peer
     environment fails instead: .ci/run builds both, so its absence is a broken CI, not a skip."""
     python = peer_python(name)
-    if python is not None:
-        probe = subprocess.run([str(python), "-c", f"import {IMPORTS[name]}"], capture_output=True)
-        if probe.returncode == 0:
-            return python
+    if python is not None and _imports(python, IMPORTS[name]):
+        return python
     reason = (f"the {name} peer environment is not built at {ROOT / name} "
               "(run: bash scripts/setup_peer_envs.sh)")
     if os.environ.get("CI") == "true":
