@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                    type=_number(int, lambda v: v >= 0, "must be >= 0"),
                    help="stop at this token id (repeatable; default: the tokenizer's end-of-sequence id)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: %(default)s)")
+    p.add_argument("--seed", type=_number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
+                   help="random seed of the sampling, in [0, 2**32) (default: %(default)s)")
     p.add_argument("--tensor", type=_number(int, lambda v: v >= 1, "must be >= 1"), default=1,
                    help="devices on the tensor axis (heads and MLP split across them; default: 1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),

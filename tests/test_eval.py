@@ -6,6 +6,7 @@ import csv
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -389,3 +390,186 @@ def test_bad_eval_task_file_stops_training_before_step_one(tmp_path):
     with pytest.raises(TrainingError, match=rf"TrainConfig.eval_tasks: {bad}:1: field 'answer' = 5 is out of range"):
         train.train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+# ---- review fixes
+
+
+def spy_run(monkeypatch, fail=None):
+    """Record every call of maxlm.infer.generate.run (prompts and stops), then run it (or raise ``fail``)."""
+    from maxlm.infer import generate
+
+    calls, real = [], generate.run
+
+    def spy(cfg, params, prompts, max_new_tokens, **kw):
+        calls.append({"prompts": [np.asarray(p).tolist() for p in prompts], "max_new_tokens": max_new_tokens, **kw})
+        if fail is not None:
+            raise fail
+        return real(cfg, params, prompts, max_new_tokens, **kw)
+
+    monkeypatch.setattr(generate, "run", spy)
+    return calls
+
+
+def test_generation_prompts_keep_their_end_on_a_small_context(exported, tiny, tmp_path, monkeypatch):
+    """max_seq_len 64 with --max-new-tokens 256: each prompt the model receives is the intended one
+    (its last 63 tokens when longer), not its last token; run() gets GSM's stop strings and eos."""
+    from maxlm.eval import generation
+
+    calls = spy_run(monkeypatch)
+    out = tmp_path / "gsm.json"
+    assert main(["--checkpoint", str(exported), "--task", str(FIXTURES / "gsm.jsonl"), "--shots", "1",
+                 "--limit", "3", "--max-new-tokens", "256", "--batch-size", "4", "--out", str(out)]) == 0
+    samples = json.loads(out.read_text())["results"][0]["samples"]
+    intended = [TOK.encode(s["prompt"], add_bos=True, add_eos=False)[-63:].tolist() for s in samples]
+    assert [p for c in calls for p in c["prompts"]] == intended
+    assert all(len(p) == 63 for p in intended)  # one shot makes each prompt longer than the context
+    assert all(c["max_new_tokens"] == 256 and tuple(c["stop_strings"]) == generation.STOP_STRINGS
+               and list(c["stop_tokens"]) == [TOK.eos_id] for c in calls)
+    assert all("Question:" not in s["output"] and "\n\n" not in s["output"] for s in samples)
+    cfg, params = tiny  # a short prompt is passed whole, <|bos|> first
+    calls.clear()
+    generation.complete(cfg, params, TOK, ["Question: 1+1?\nAnswer:"], new_tokens=256, batch_size=2)
+    assert calls[0]["prompts"] == [TOK.encode("Question: 1+1?\nAnswer:", add_bos=True, add_eos=False).tolist()]
+
+
+def test_complete_drops_eos_from_the_text(tiny, monkeypatch):
+    from maxlm.eval import generation
+    from maxlm.infer import generate
+
+    cfg, params = tiny
+    done = SimpleNamespace(tokens=[np.array([*b"42", TOK.eos_id]), np.array([*b"7 and"])],
+                           finish=["stop_token", "length"], texts=["42<eos>", "7 and"])
+    monkeypatch.setattr(generate, "run", lambda cfg, params, prompts, n, **kw: done)
+    assert generation.complete(cfg, params, TOK, ["a", "b"], new_tokens=4, batch_size=2) == ["42", "7 and"]
+
+
+def test_human_sheet_uses_eos_only_and_never_overwrites(exported, tmp_path, capsys, monkeypatch):
+    calls = spy_run(monkeypatch)
+    sheet = tmp_path / "sheet.csv"
+    argv = ["--checkpoint", str(exported), "--task", str(FIXTURES / "prompts.jsonl"), "--human-sheet", str(sheet),
+            "--limit", "2", "--max-new-tokens", "256", "--batch-size", "2"]
+    assert main(argv) == 0
+    assert calls and all(tuple(c["stop_strings"]) == () and list(c["stop_tokens"]) == [TOK.eos_id] for c in calls)
+    capsys.readouterr()
+    calls.clear()
+    sheet.write_text("a rater's work\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err and str(sheet) in err, err
+    assert not calls and sheet.read_text() == "a rater's work\n"  # refused before generating
+
+
+def test_human_sheet_generation_error_is_one_line(exported, tmp_path, capsys, monkeypatch):
+    from maxlm.infer.generate import PromptError
+
+    spy_run(monkeypatch, fail=PromptError(0, "prompt has 99 tokens;\n  the context leaves room for 63"))
+    sheet = tmp_path / "sheet.csv"
+    assert main(["--checkpoint", str(exported), "--task", str(FIXTURES / "prompts.jsonl"), "--human-sheet",
+                 str(sheet), "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompt has 99 tokens; the context leaves room for 63" in err, err
+    assert not sheet.exists()
+
+
+def test_answer_out_of_range_with_many_choices_is_one_line(tmp_path, capsys):
+    path = tmp_path / "wide.jsonl"
+    write_jsonl(path, [{"question": "q", "choices": [f"c{i}" for i in range(30)], "answer": 30}])
+    assert main(["--checkpoint", str(tmp_path), "--task", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "field 'answer' = 30 is out of range for 30 choices (0..29" in err, err
+
+
+def test_sheets_with_a_bom_and_shared_names_stay_apart(tmp_path):
+    sheet = tmp_path / "s.csv"
+    write_sheet(sheet, "t", [("p1", "o1", ""), ("p2", "o2", "")])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = fill(sheet, tmp_path / "a" / "r.csv", "ann", [(5, 4, 3, 5), (2, 4, 3, 5)])
+    b = fill(sheet, tmp_path / "b" / "r.csv", "ann", [(4, 4, 3, 5), (2, 3, 3, 5)])
+    b.write_bytes(b"\xef\xbb\xbf" + b.read_bytes())  # as Excel saves "CSV UTF-8"
+    assert read_sheet(b)[0] == "ann"
+    result = agreement([str(a), str(b)])
+    assert len(result["raters"]) == 2 and len(set(result["raters"])) == 2
+    assert result["dimensions"]["accuracy"]["rater_means"] == {f"ann ({a})": 3.5, f"ann ({b})": 3.0}
+    same = agreement([str(a), str(a)])  # one file given twice still counts as two raters
+    assert len(set(same["raters"])) == 2
+
+
+def test_out_is_written_atomically(tmp_path, capsys):
+    from maxlm.eval import loglikelihood
+    from maxlm.infer import generate
+
+    assert loglikelihood.bucket is generate.bucket and loglikelihood.MIN_BUCKET == generate.MIN_BUCKET
+    sheet = tmp_path / "s.csv"
+    write_sheet(sheet, "t", [("p", "o", "")])
+    a = fill(sheet, tmp_path / "a.csv", "ann", [(5, 4, 3, 5)])
+    b = fill(sheet, tmp_path / "b.csv", "bob", [(4, 4, 3, 5)])
+    (tmp_path / "out").mkdir()
+    assert main(["--agreement", str(a), str(b), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a directory" in err, err
+    assert main(["--agreement", str(a), str(b), "--out", str(tmp_path / "agree.json")]) == 0
+    assert json.loads((tmp_path / "agree.json").read_text())["items"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "agree.json", "b.csv", "out", "s.csv"]
+
+
+def test_scorer_gathers_across_processes(tiny, monkeypatch):
+    from jax.experimental import multihost_utils
+
+    cfg, params = tiny
+    scorer = Scorer(cfg, params, batch_size=2)
+    tokens = np.ones((2, 16), np.int32)
+    args = (tokens, tokens, np.broadcast_to(np.arange(16, dtype=np.int32), tokens.shape), tokens)
+    alone = scorer.rows(*args)
+    gathered = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x, tiled=False: (gathered.append(tiled), jax.device_get(x))[1])
+    multi = scorer.rows(*args)
+    assert gathered == [True]
+    for x, y in zip(alone, multi):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_eval_tasks_open_before_restore_or_compile(tmp_path, monkeypatch):
+    from maxlm import train
+    from maxlm.train import loop, step
+    from maxlm.train.resilience import TrainingError
+    from tests.helpers import small_config
+
+    def never(*a, **k):
+        raise AssertionError("restored or compiled before the eval tasks were read")
+
+    monkeypatch.setattr(loop.Loop, "start_state", never)
+    monkeypatch.setattr(step, "compile_steps", never)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": 5}\n')
+    cfg = small_config(train=dict(steps=2, run_dir=str(tmp_path / "run"), eval_tasks=str(bad)))
+    with pytest.raises(TrainingError, match="TrainConfig.eval_tasks"):
+        train.train(cfg)
+
+
+@pytest.mark.slow
+def test_a_failing_eval_task_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
+    from maxlm import train
+    from tests.helpers import small_config
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise ValueError("continuation too long\nfor the context")
+
+    monkeypatch.setattr(multiple_choice, "evaluate", broken)
+    run_dir = tmp_path / "run"
+    cfg = small_config(train=dict(steps=2, eval_every=1, eval_batches=1, log_every=1, run_dir=str(run_dir),
+                                  eval_tasks=f"{MC}, {FIXTURES / 'text.txt'}"))
+    train.train(cfg)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/text/bits_per_byte" in r for r in evals)
+    assert not any("eval/mc/acc" in r for r in evals) and len(calls) == 1  # tried once, then skipped
+    skipped = [r for r in rows if r.get("event") == "eval_task_skipped"]
+    assert len(skipped) == 1 and skipped[0]["task"] == "mc"
+    assert "continuation too long for the context" in skipped[0]["reason"]

@@ -9,6 +9,7 @@ prompt shapes to compile as little as possible."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -89,6 +90,53 @@ def test_greedy_tokens_equal_transformers_generate(family, models, greedy):
         assert out[0, len(prompt):].tolist() == ours.tolist()
 
 
+@pytest.fixture(scope="module")
+def exported(models, tmp_path_factory):
+    """Each family written by ``maxlm.hf.export_model`` and read back by transformers from disk."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from maxlm.hf.load import LoadedModel
+
+    nets = {}
+    for family, (cfg, params) in models.items():
+        out = tmp_path_factory.mktemp("export") / family
+        hf.export_model(LoadedModel(cfg, jax.device_get(params), ByteTokenizer(), None, f"random {family}"), out)
+        net = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                dtype=torch.float32).eval()
+        net.generation_config.eos_token_id = None  # random weights: run every token, as maxlm does here
+        net.generation_config.pad_token_id = 0
+        nets[family] = net
+    return nets
+
+
+def _hf_generate(net, prompt, new, **kwargs):
+    import torch
+
+    ids = torch.from_numpy(prompt.astype(np.int64))[None]
+    with torch.no_grad():
+        out = net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                           use_cache=True, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_tokens_equal_transformers_through_the_exported_directory(family, exported, greedy):
+    for prompt, ours in zip(prompts(), greedy[family]):  # lengths 7, 19, 3, 12; NEW = 64 tokens
+        assert _hf_generate(exported[family], prompt, NEW) == ours.tolist()
+
+
+@pytest.mark.slow
+def test_repetition_penalty_over_decode_steps_equals_transformers(models, exported):
+    cfg, params = models["llama"]
+    rows = prompts(lengths=(7, 19, 3, 12), seed=11)
+    ours = gen.run(cfg, params, rows, 16, sampling=SamplingParams(repetition_penalty=1.3)).tokens
+    plain = gen.run(cfg, params, rows, 16).tokens
+    assert any((a != b).any() for a, b in zip(ours, plain))  # the penalty changed something
+    for prompt, got in zip(rows, ours):
+        assert _hf_generate(exported["llama"], prompt, 16, repetition_penalty=1.3) == got.tolist()
+
+
 # ---- (b) cached decode equals recomputation, on one device and tensor-parallel
 
 
@@ -133,6 +181,51 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(models, greedy):
     for sampling in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
         out = gen.run(cfg, params, prompts(), NEW, sampling=sampling, seed=7).tokens
         assert all((a == b).all() for a, b in zip(out, greedy["llama"])), sampling
+
+
+def test_top_p_removes_by_rank_as_transformers_does():
+    """Top-p is Hugging Face's TopPLogitsWarper: the same tokens without ties; with ties, the same
+    number of tokens and the same kept logits (torch.sort orders tied logits arbitrarily, so which
+    of the tied tokens survive is unspecified there; here the lower ids go first, as a stable sort
+    ascending puts them)."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from maxlm.infer.sampling import _top_p
+
+    def ours(logits, top_p):
+        return np.isfinite(np.asarray(_top_p(jnp.asarray(logits, jnp.float32), jnp.float32(top_p))))
+
+    def theirs(logits, top_p):
+        warped = TopPLogitsWarper(top_p)(None, torch.from_numpy(np.asarray(logits, np.float32)))
+        return torch.isfinite(warped).numpy()
+
+    tied = np.array([[1.0, 1.0, 1.0, 0.0]])
+    # Each tied token has probability ~0.31: two of the three are kept (by rank), not all three.
+    assert ours(tied, 0.5).tolist() == [[False, True, True, False]] and theirs(tied, 0.5).sum() == 2
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        top_p = float(rng.uniform(0.05, 0.95))
+        logits = rng.standard_normal((8, 50)).astype(np.float32) * 3
+        assert (ours(logits, top_p) == theirs(logits, top_p)).all(), (trial, top_p)
+        logits = rng.integers(-3, 3, size=(8, 33)).astype(np.float32) * rng.choice([0.5, 1.0, 2.0])  # many ties
+        a, b = ours(logits, top_p), theirs(logits, top_p)
+        assert (a.sum(1) == b.sum(1)).all(), (trial, top_p)
+        for row, x, y in zip(logits, a, b):
+            assert sorted(row[x]) == sorted(row[y]), (trial, top_p)
+
+
+def test_cache_key_holds_the_parameter_dtypes(models):
+    """The same cfg with bf16-cast parameters is another executable, not the float32 one's."""
+    cfg, params = models["llama"]
+    gen.run(cfg, params, prompts()[:1], 4)
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    before = dict(gen.COMPILES)
+    result = gen.run(cfg, half, prompts()[:1], 4)
+    assert gen.COMPILES["prefill"] - before.get("prefill", 0) == 1 and len(result.tokens[0]) == 4
+    before = dict(gen.COMPILES)
+    gen.run(cfg, half, prompts()[:1], 4)
+    assert gen.COMPILES == before
 
 
 def test_same_seed_same_output(models, greedy):
@@ -288,6 +381,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys):
         ([*ck, "--prompt", "a", "--top-p", "0"], "--top-p: 0 must lie in (0, 1]"),
         ([*ck, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens: 0 must be >= 1"),
         ([*ck, "--prompt", "a", "--temperature", "x"], "--temperature: 'x' is not a number"),
+        ([*ck, "--prompt", "a", "--seed", str(2**70)], f"--seed: {2**70} must lie in [0, 2**32)"),
+        ([*ck, "--prompt", "a", "--seed", "-1"], "--seed: -1 must lie in [0, 2**32)"),
         ([*ck, "--prompt", "a", "--stop-token", "900"], "--stop-token 900: not a token id"),
         ([*ck, "--prompt", "a", "--stop", ""], "--stop: a stop string must not be empty"),
         ([*ck, "--prompt", "a", "--step", "3"], "no checkpoint of step 3"),

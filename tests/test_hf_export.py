@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -262,6 +263,33 @@ def test_import_export_round_trip_is_bit_exact(kind, tmp_path, capsys):
             assert exported[key].dtype == value.dtype and exported[key].tobytes() == value.tobytes(), (name, key)
 
 
+def test_bf16_hf_source_exports_in_its_own_dtype_with_its_generation_config(tmp_path, capsys):
+    src = _save_pretrained("gpt2", tmp_path / "hf")
+    net = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    net.generation_config.update(do_sample=True, top_k=7, temperature=0.6, max_new_tokens=33)
+    net.save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    src = tmp_path / "bf16"
+    saved = load_file(str(src / "model.safetensors"))
+    assert {v.dtype.name for v in saved.values()} == {"bfloat16"}
+    code, out, err = _run_main(["export", src, "--out", tmp_path / "out"], capsys)  # no --dtype
+    assert code == 0 and "bfloat16" in out[0], (out, err)
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == sorted(saved)
+    for key, value in saved.items():
+        assert exported[key].dtype == value.dtype and exported[key].tobytes() == value.tobytes(), key
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert ((tmp_path / "out" / "generation_config.json").read_bytes()
+            == (src / "generation_config.json").read_bytes())
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").top_k == 7
+    assert hf.verify_manifest(tmp_path / "out") is None
+    # An explicit --dtype still wins; a maxlm run defaults to float32.
+    code, out, err = _run_main(["export", src, "--out", tmp_path / "fp32", "--dtype", "fp32"], capsys)
+    assert code == 0 and {v.dtype.name for v in load_file(str(tmp_path / "fp32" / "model.safetensors")).values()} \
+        == {"float32"}, err
+    assert "float32" in hf.export_model(_loaded(GPT2), tmp_path / "run_export")
+
+
 @pytest.mark.slow
 def test_sharded_export_loads(tmp_path):
     loaded = _loaded(LLAMA)
@@ -338,6 +366,33 @@ def test_failed_write_leaves_nothing_and_rerun_succeeds(trained_run, tmp_path, c
     monkeypatch.setattr(export_lib, "_write_shard", real)
     code, _, err = _run_main(["export", trained_run, "--out", out], capsys)
     assert code == 0 and hf.verify_manifest(out) is None, err
+
+
+def test_safetensors_write_error_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as SafetensorError, not OSError: still one line, no stage."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    out = tmp_path / "deep" / "out"
+    with pytest.raises(hf.HFExportError) as err:
+        hf.export_model(_loaded(GPT2), out)
+    line = str(err.value)
+    assert "\n" not in line and "model.safetensors" in line and "No space left on device" in line, line
+    assert "nothing was exported" in line
+    assert not (tmp_path / "deep").exists(), "the staging directory or made parents were left"
+
+    def opaque(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: something odd")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", opaque)
+    line = str(pytest.raises(hf.HFExportError, hf.export_model, _loaded(GPT2), out).value)
+    assert "model.safetensors" in line and "something odd" in line and not (tmp_path / "deep").exists(), line
 
 
 @pytest.mark.slow
@@ -422,5 +477,39 @@ def test_load_tokenizer_of_a_foreign_hf_tokenizer(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 256}))
     loaded = hf.load_tokenizer(tmp_path)
     assert (loaded.bos_id, loaded.eos_id, loaded.pad_id, loaded.vocab_size) == (256, 256, 256, 257)
+    # No add_bos_token and a post-processor that adds none: transformers prepends nothing, nor does maxlm.
     ids = loaded.encode("hé <|endoftext|>")
-    assert ids.tolist() == [256, 104, 195, 169, 32, 256, 256] and loaded.decode(ids) == "hé "
+    assert ids.tolist() == [104, 195, 169, 32, 256, 256] and loaded.decode(ids) == "hé "
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                "add_bos_token": True}))
+    assert hf.load_tokenizer(tmp_path).encode("h", add_eos=False).tolist() == [256, 104]
+
+
+def test_gpt2_style_tokenizer_gets_no_bos_as_in_transformers(tmp_path):
+    """bos = eos = <|endoftext|>, add_bos_token false or absent: transformers adds no bos, nor does maxlm."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(hf.tokenizer_files.byte_alphabet())},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path / "absent")
+    fast.add_bos_token = False
+    fast.save_pretrained(tmp_path / "false")
+    for name in ("absent", "false"):
+        auto = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+        loaded = hf.load_tokenizer(tmp_path / name)
+        assert loaded.bos_id == auto.bos_token_id == 256, name
+        for text in ("hello world", "<|endoftext|> x", " "):
+            assert loaded.encode(text, add_eos=False).tolist() == auto(text).input_ids, (name, text)

@@ -116,14 +116,26 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def _write_json(path: str, payload: dict) -> None:
-    out = Path(path).expanduser()
+    """Written whole (a temporary renamed over it), or not at all: a failure leaves no temporary."""
+    from maxlm.data.atomic import write_file
+
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
-        tmp.replace(out)
+        write_file(path, json.dumps(payload, indent=1, allow_nan=True) + "\n", "maxlm.eval")
     except OSError as err:
-        raise UserError(f"--out {path}: cannot write it ({err.strerror})") from None
+        raise UserError(f"--out {path}: cannot write it ({err.strerror or err})") from None
+    except ValueError as err:
+        raise UserError(f"--out {path}: {err}") from None
+
+
+def _check_new_sheet(path: str) -> None:
+    """Refuse, before anything is generated, a --human-sheet that exists or cannot be created."""
+    target = Path(path).expanduser()
+    if target.exists() or target.is_symlink():
+        raise UserError(f"--human-sheet {path} already exists; remove it or choose a new path "
+                        "(a sheet may hold a rater's work, so it is never overwritten)")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UserError(f"--human-sheet {path}: folder {parent} does not exist")
 
 
 class UserError(ValueError):
@@ -154,6 +166,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.human_sheet and not tasks[0].docs:
         raise UserError(f"--human-sheet: task {specs[0]!r} has no prompts (use a task file)")
 
+    if args.human_sheet:
+        _check_new_sheet(args.human_sheet)
+
     from maxlm.hf.load import LoadError, load_model
 
     try:
@@ -170,11 +185,18 @@ def _run(args: argparse.Namespace) -> int:
         from maxlm.eval import generation
 
         picked = human.sample_prompts(tasks[0], args.limit or 20, args.seed)
-        outputs = generation.complete(loaded.cfg, loaded.params, loaded.tokenizer, [p for p, _ in picked],
-                                      new_tokens=args.max_new_tokens, batch_size=batch, mesh=loaded.mesh)
+        try:  # eos only, no GSM stop strings: an answer of several paragraphs is rated whole
+            outputs = generation.complete(loaded.cfg, loaded.params, loaded.tokenizer, [p for p, _ in picked],
+                                          new_tokens=args.max_new_tokens, batch_size=batch, mesh=loaded.mesh,
+                                          stop_strings=())
+        except ValueError as err:  # PromptError included
+            raise UserError(f"--human-sheet: {err}") from None
         try:
             human.write_sheet(args.human_sheet, tasks[0].name,
                               [(p, o, ref) for (p, ref), o in zip(picked, outputs)])
+        except FileExistsError:
+            raise UserError(f"--human-sheet {args.human_sheet} appeared while generating; "
+                            "it is left as it is (choose a new path)") from None
         except OSError as err:
             raise UserError(f"--human-sheet {args.human_sheet}: cannot write it ({err.strerror})") from None
         print(f"wrote {len(picked)} prompts and outputs to {args.human_sheet}: each rater fills a copy "
@@ -206,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (UserError, TaskError) as err:
-        print(f"maxlm.eval: error: {err}", file=sys.stderr)
+        print(f"maxlm.eval: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

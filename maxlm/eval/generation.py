@@ -13,6 +13,7 @@ commas and a leading ``$`` dropped, trailing zeros of decimals removed (``1,000.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -53,33 +54,25 @@ def prompt(doc: GenDoc, shots: list[GenDoc]) -> str:
     return prefix + f"Question: {doc.question}\nAnswer:"
 
 
-def cut(text: str, stops=STOP_STRINGS) -> str:
-    ends = [text.find(s) for s in stops if s in text]
-    return text[:min(ends)] if ends else text
-
-
 def complete(cfg: Any, params: Any, tokenizer: Any, prompts: list[str], *, new_tokens: int,
-             batch_size: int, mesh: Any = None) -> list[str]:
-    """Greedy completions of text prompts, cut at the stop strings and at eos."""
-    from maxlm.infer.generate import generate
+             batch_size: int, mesh: Any = None, stop_strings: Sequence[str] = STOP_STRINGS) -> list[str]:
+    """Greedy completions of text prompts: at most ``new_tokens`` tokens each (fewer where the
+    context runs out), ended by eos or cut before the first of ``stop_strings``.
 
-    new_tokens = max(1, min(new_tokens, cfg.max_seq_len - 1))
-    encoded = [tokenizer.encode(p, add_bos=True, add_eos=False) for p in prompts]
-    texts = []
+    A prompt longer than the context keeps its last ``max_seq_len - 1`` tokens (lm-eval keeps the
+    end of a context as well); ``maxlm.infer.generate.run`` then gives each row the room it has left."""
+    from maxlm.infer import generate
+
+    keep = cfg.max_seq_len - 1
+    encoded = [np.asarray(tokenizer.encode(p, add_bos=True, add_eos=False), np.int32)[-keep:] for p in prompts]
+    texts: list[str] = []
     for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start:start + batch_size]
-        # A full batch every time (repeating a prompt): one compilation per prompt bucket.
-        padded = chunk + [chunk[0]] * (batch_size - len(chunk))
-        if mesh is None:
-            out = generate(cfg, params, padded, new_tokens, temperature=0.0)
-        else:
-            import jax
-
-            with jax.set_mesh(mesh):
-                out = generate(cfg, params, padded, new_tokens, temperature=0.0)
-        for row in np.asarray(out)[:len(chunk)]:
-            stop = np.flatnonzero(row == tokenizer.eos_id)
-            texts.append(cut(tokenizer.decode(row[:stop[0]] if stop.size else row)))
+        out = generate.run(cfg, params, encoded[start:start + batch_size], new_tokens,
+                           stop_strings=tuple(stop_strings), stop_tokens=[tokenizer.eos_id], tokenizer=tokenizer,
+                           mesh=mesh)
+        for tokens, finish, text in zip(out.tokens, out.finish, out.texts):
+            # A row ended by eos holds the eos token: its text is the tokens before it.
+            texts.append(tokenizer.decode(tokens[:-1]) if finish == "stop_token" else text)
     return texts
 
 

@@ -90,7 +90,7 @@ def sample_prompts(task: Any, count: int, seed: int) -> list[tuple[str, str]]:
 
 def write_sheet(path: str | Path, task_name: str, rows: list[tuple[str, str, str]]) -> None:
     """rows: (prompt, output, reference). The rating columns are left empty."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with open(path, "x", newline="", encoding="utf-8") as f:  # never over a rater's sheet
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for i, (prompt, output, reference) in enumerate(rows):
@@ -101,7 +101,7 @@ def read_sheet(path: str | Path) -> tuple[str, dict[str, dict[str, int]]]:
     """(rater, {id: {dimension: rating}}); a TaskError naming file:line and column on bad input."""
     path = Path(path)
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # Excel starts a UTF-8 CSV with a BOM
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             missing = [c for c in ("id", *DIMENSIONS) if c not in header]
@@ -138,13 +138,18 @@ def read_sheet(path: str | Path) -> tuple[str, dict[str, dict[str, int]]]:
     return (raters.pop() if raters else path.stem), ratings
 
 
+def rater_labels(names: Sequence[str], paths: Sequence[str | Path]) -> list[str]:
+    """One distinct label per sheet: the rater's name; a name that several sheets share gets the
+    sheet's path as given (files of one name in different folders stay apart), then its position."""
+    labels = [name if names.count(name) == 1 else f"{name} ({p})" for name, p in zip(names, paths)]
+    return [label if labels.count(label) == 1 else f"{label} #{i + 1}" for i, label in enumerate(labels)]
+
+
 def agreement(paths: Sequence[str | Path]) -> dict[str, Any]:
     if len(paths) < 2:
         raise TaskError("--agreement needs at least two filled sheets (one per rater)")
     sheets = [read_sheet(p) for p in paths]
-    names = [name for name, _ in sheets]
-    if len(set(names)) < len(names):  # two sheets by one name: keep them apart by file
-        names = [f"{name} ({Path(p).name})" for name, p in zip(names, paths)]
+    names = rater_labels([name for name, _ in sheets], paths)
     items = sorted(sheets[0][1])
     for (_, ratings), path in zip(sheets[1:], paths[1:]):
         extra, lacking = set(ratings) - set(items), set(items) - set(ratings)

@@ -26,15 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm.config import ModelConfig
+from maxlm.infer.generate import MIN_BUCKET, bucket  # noqa: F401 (MIN_BUCKET: re-exported)
 from maxlm.model import forward as model_forward
 from maxlm.model import token_nll
-
-MIN_BUCKET = 16
-
-
-def bucket(length: int, max_len: int) -> int:
-    """The padded length for a batch whose longest input is ``length`` tokens."""
-    return min(max_len, max(MIN_BUCKET, 1 << max(length - 1, 0).bit_length()))
 
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +76,10 @@ class Scorer:
         else:
             with jax.set_mesh(self.mesh):
                 out = self._scores(self.params, tokens, segments, positions, targets)
+        if jax.process_count() > 1:  # outputs span hosts: every process gathers the whole batch
+            from jax.experimental import multihost_utils
+
+            return tuple(np.asarray(x) for x in multihost_utils.process_allgather(out, tiled=True))
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
     def sequences(self, seqs: Sequence[np.ndarray], n_scored: Sequence[int]) -> list[tuple[float, bool, np.ndarray]]:

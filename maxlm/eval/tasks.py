@@ -85,8 +85,9 @@ def _answer_index(value: Any, n: int, where: str) -> int:
     else:
         raise TaskError(f"{where}: field 'answer' = {value!r:.40} is neither a choice index nor a letter")
     if not 0 <= index < n:
+        letters = f"A..{LETTERS[n - 1]}" if n <= len(LETTERS) else f"A..Z for the first {len(LETTERS)}"
         raise TaskError(f"{where}: field 'answer' = {value!r} is out of range for {n} choices "
-                        f"(0..{n - 1} or A..{LETTERS[n - 1]})")
+                        f"(0..{n - 1} or {letters})")
     return index
 
 

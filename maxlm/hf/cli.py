@@ -105,8 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="maxlm run directory, RUN_DIR/checkpoints/STEP, or Hugging Face directory")
     exp.add_argument("--out", required=True, metavar="DIR", type=_path,
                      help="directory to create (must not exist, or be empty)")
-    exp.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "float32", "bfloat16"),
-                     help="dtype the weights are stored in (default: %(default)s)")
+    exp.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
+                     help="dtype the weights are stored in (default: a Hugging Face source's own "
+                          "dtype, so a round trip is bit-exact; fp32 for a maxlm run)")
     exp.add_argument("--step", type=_step, metavar="N",
                      help="checkpoint step of a run directory (default: the newest verified one)")
     exp.add_argument("--family", choices=("llama", "gpt2"),

@@ -7,7 +7,7 @@ directory) and writes a directory that ``transformers`` and ``vllm serve`` load:
   config.json                  every field the architecture reads, explicitly (plus dtype, token ids)
   model.safetensors            metadata {"format": "pt"}; above ``max_shard_bytes`` instead
                                model-0000i-of-0000n.safetensors + model.safetensors.index.json
-  generation_config.json       bos/eos/pad ids, greedy decoding
+  generation_config.json       bos/eos/pad ids, greedy decoding (a Hugging Face source's own, copied)
   tokenizer.json, tokenizer_config.json, special_tokens_map.json   (``maxlm.hf.tokenizer_files``)
   maxlm_manifest.json          sha256 and size of every other file, the source and step
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ from maxlm.hf.safetensors_io import INDEX_FILE
 from maxlm.hf.staging import check_export_out, staged_dir
 
 MANIFEST = "maxlm_manifest.json"
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float16": np.dtype(np.float16)}
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                 "fp16": "float16", "float16": "float16"}
 # Tokenizer files a Hugging Face source directory may hold; an export of it copies them unchanged.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                       "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -97,9 +100,20 @@ def shard_names(count: int) -> list[str]:
 
 
 def _write_shard(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """One safetensors file. safetensors reports I/O failures (a full disk) as its own
+    ``SafetensorError``; they become an OSError naming the file, which ``staged_dir`` turns
+    into one line (and removes the stage)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:
+        message = " ".join(str(err).split())
+        code = re.search(r"code: (\d+)", message)  # e.g. IoError(Os { code: 28, kind: StorageFull, ... })
+        errno = int(code.group(1)) if code else None
+        strerror = os.strerror(errno) if errno else f"safetensors could not write it ({message})"
+        raise OSError(errno, strerror, str(path)) from None
 
 
 def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: np.dtype, max_shard_bytes: int,
@@ -182,6 +196,26 @@ def _check_tokenizer(loaded: Any, cfg: ModelConfig) -> None:
                             f"ModelConfig.vocab_size = {cfg.vocab_size}; the model cannot embed them all")
 
 
+def _source_dtype(loaded: Any) -> str:
+    """The stored dtype an export defaults to: a Hugging Face source's own (config.json's
+    ``dtype`` or ``torch_dtype``, so a round trip is bit-exact), float32 for a maxlm run."""
+    hf_config = loaded.hf_config or {}
+    for field in ("dtype", "torch_dtype"):
+        value = hf_config.get(field)
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+            return value.removeprefix("torch.")
+    return "float32"
+
+
+def _write_generation_config(loaded: Any, stage: Path, ids: dict[str, Any]) -> None:
+    """A Hugging Face source's generation_config.json unchanged (its sampling defaults are the
+    model's); else bos/eos/pad ids and greedy decoding."""
+    if loaded.hf_config is not None and (Path(loaded.source) / "generation_config.json").is_file():
+        shutil.copyfile(Path(loaded.source) / "generation_config.json", stage / "generation_config.json")
+        return
+    (stage / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2) + "\n")
+
+
 def _write_tokenizer(loaded: Any, stage: Path, cfg: ModelConfig) -> str:
     """The tokenizer files; returns what was written, for the summary line."""
     from maxlm.hf.tokenizer_files import write_tokenizer
@@ -198,15 +232,16 @@ def _write_tokenizer(loaded: Any, stage: Path, cfg: ModelConfig) -> str:
     return f"{loaded.tokenizer.name} tokenizer"
 
 
-def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str = "float32", step: int | None = None,
+def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = None, step: int | None = None,
                  family: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
     """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
-    returns the summary line. ``dtype`` is the stored dtype (float32/fp32 or bfloat16/bf16);
+    returns the summary line. ``dtype`` is the stored dtype (float32/fp32, bfloat16/bf16 or
+    float16/fp16; None: a Hugging Face source's own, float32 for a maxlm run);
     ``family`` ('llama' | 'gpt2') defaults to the one the ModelConfig fits. Checks everything it
     can before loading the weights, and refuses a non-empty ``out``."""
-    if dtype not in DTYPE_ALIASES:
-        raise HFExportError(f"--dtype {dtype!r} is not one of fp32, bf16 (float32, bfloat16)")
-    dtype = DTYPE_ALIASES[dtype]
+    if dtype is not None and dtype not in DTYPE_ALIASES:
+        raise HFExportError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16 (float32, bfloat16, float16)")
+    dtype = DTYPE_ALIASES.get(dtype)
     if family is not None and family not in SUPPORTED:
         raise HFExportError(f"--family {family!r} is not supported (maxlm exports "
                             f"{', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
@@ -216,6 +251,7 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str = "float32"
     loaded = _load(path_or_loaded, step)
     cfg = loaded.cfg
     family = family or infer_family(cfg)
+    dtype = dtype or _source_dtype(loaded)
     ids = _token_ids(loaded)
     config = export_config(cfg, family, dtype, ids)
     _check_tokenizer(loaded, cfg)
@@ -227,7 +263,7 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str = "float32"
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         mode = (stage / "config.json").stat().st_mode & 0o777  # the umask's choice for new files
         files = write_weights(stage, tensors, DTYPES[dtype], max_shard_bytes, mode)
-        (stage / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2) + "\n")
+        _write_generation_config(loaded, stage, ids)
         tokenizer = _write_tokenizer(loaded, stage, cfg)
         write_manifest(stage, {"format": "maxlm.hf export 1", "source": str(loaded.source), "step": loaded.step,
                                "family": family, "architecture": SUPPORTED[family], "dtype": dtype})

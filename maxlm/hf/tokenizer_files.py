@@ -128,13 +128,16 @@ def write_tokenizer(tokenizer: Any, out_dir: str | Path, *, model_max_length: in
 
 class HFTokenizer:
     """Any Hugging Face ``tokenizer.json`` behind maxlm's tokenizer interface; maxlm adds bos/eos
-    itself (the file's post-processor is bypassed, as ``BPETokenizer`` does)."""
+    itself (the file's post-processor is bypassed, as ``BPETokenizer`` does). ``add_bos`` False
+    (e.g. GPT-2, whose bos is its eos and which transformers never prepends): ``encode`` adds no
+    bos even when asked, as transformers' tokenizer adds none."""
 
     def __init__(self, tok: Any, bos_id: int | None, eos_id: int | None, pad_id: int | None,
-                 source: str, split_special_tokens: bool = False):
+                 source: str, split_special_tokens: bool = False, add_bos: bool = True):
         self._tok, self.name, self.fingerprint = tok, source, source
         tok.encode_special_tokens = split_special_tokens
         self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos = add_bos
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._special = {i for i in (bos_id, eos_id, self.pad_id) if i is not None}
@@ -143,7 +146,8 @@ class HFTokenizer:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         body = np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-        return _with_specials(body, self.bos_id if add_bos else None, self.eos_id if add_eos else None)
+        bos = self.bos_id if add_bos and self.add_bos else None
+        return _with_specials(body, bos, self.eos_id if add_eos else None)
 
     def encode_batch(self, texts: list[str], add_bos: bool = True, add_eos: bool = True) -> list[np.ndarray]:
         return [self.encode(t, add_bos, add_eos) for t in texts]
@@ -210,4 +214,18 @@ def load_tokenizer(hf_dir: str | Path) -> Any:
             fallback = fallback[0] if fallback else None
         ids[name] = found if found is not None else fallback
     return HFTokenizer(tok, ids["bos"], ids["eos"], ids["pad"], str(path),
-                       bool(config.get("split_special_tokens", False)))
+                       bool(config.get("split_special_tokens", False)), _adds_bos(tok, config, ids["bos"]))
+
+
+def _adds_bos(tok: Any, config: dict[str, Any], bos_id: int | None) -> bool:
+    """Whether transformers prepends bos: ``tokenizer_config.json``'s ``add_bos_token`` when it is
+    set, else whether the file's post-processor puts bos first."""
+    if bos_id is None:
+        return False
+    if isinstance(config.get("add_bos_token"), bool):
+        return config["add_bos_token"]
+    try:
+        ids = tok.encode("a", add_special_tokens=True).ids
+    except Exception:  # tokenizers raises its own exception type
+        return False
+    return bool(ids) and ids[0] == bos_id and tok.encode("a", add_special_tokens=False).ids[:1] != [bos_id]

@@ -1,6 +1,6 @@
 """Using a trained model: ``generate`` samples over the KV cache (``sampling`` picks each token),
 ``placement`` puts the parameters on an inference mesh; the serving engine joins here. Imports
-``maxlm.model``. Opening a checkpoint is ``maxlm.hf.load``; ``python -m maxlm.generate`` is the
+``maxlm.model`` and ``maxlm.parallel`` (the mesh and logical sharding rules). Opening a checkpoint is ``maxlm.hf.load``; ``python -m maxlm.generate`` is the
 command line."""
 
 from maxlm.infer.generate import Generation, PromptError, run

@@ -7,8 +7,9 @@ and decode timings). How it runs:
 - Shapes come in buckets, so a new prompt length rarely compiles: the batch is padded to a power of
   two (and to a multiple of the mesh's batch degree) with rows that are finished from the start;
   the prompt width and the cache length are padded to powers of two (at least ``MIN_BUCKET``, at
-  most ``max_seq_len``). Prompts are right-padded; padding has segment id 0, so the cache never
-  stores it. Each (bucket, sampling mode, mesh) compiles one prefill and one decode executable
+  most ``max_seq_len``). Prompts are right-padded; the padding columns have segment id 0, so the
+  cache never stores them (a padding row has length 1: its slot 0 holds one filler token, which
+  nothing reads). Each (bucket, sampling mode, mesh) compiles one prefill and one decode executable
   (ahead of time, so compile time is reported apart; ``COMPILES`` counts them).
 - The decode executable is a ``while_loop`` over single-token steps that stops at a step bound
   passed in at run time or when every row is finished. Without streaming or stop strings one call
@@ -22,8 +23,8 @@ and decode timings). How it runs:
 - Any mesh works: the cache is laid out by its logical names (kv heads over ``tensor``, as the
   weights ``maxlm.hf.load`` places), so tensor-parallel decode needs nothing special here.
 
-``generate`` (fixed-width token arrays) and ``sample`` (one prompt) are the short forms that
-training's closing sample and the evaluation helpers call; ``python -m maxlm.generate`` is the CLI.
+``generate`` (fixed-width token arrays) is the short form the evaluation helpers call; training's
+closing sample calls ``run``; ``python -m maxlm.generate`` is the CLI.
 """
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new
         replicated = NamedSharding(mesh, PartitionSpec())
         tokens, lengths_d, limit_d, stop_ids_d, knobs, rng = jax.device_put(
             (tokens, lengths, limit, stop_ids, sampling.knobs(), jax.random.PRNGKey(seed)), replicated)
-        param_key = tuple(x.sharding for x in jax.tree.leaves(params))
+        # Shape, dtype and placement of every parameter: the same cfg with (say) bf16-cast
+        # parameters is a different executable.
+        param_key = tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
         mode = sampling.mode()
         key = (cfg, mode, batch, width, cache_len, stop_ids.size, mesh, param_key)
 
@@ -375,12 +378,6 @@ def generate(cfg: ModelConfig, params: Any, prompts: Sequence[np.ndarray], new_t
     result = run(cfg, params, prompts, new_tokens, seed=seed, mesh=mesh,
                  sampling=SamplingParams(temperature, top_k, top_p, repetition_penalty))
     return np.stack(result.tokens)
-
-
-def sample(cfg: ModelConfig, params: Any, prompt: np.ndarray, new_tokens: int, *,
-           temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> np.ndarray:
-    """Continue one prompt (1-D token ids) by ``new_tokens`` tokens; returns only the new ones."""
-    return generate(cfg, params, [prompt], new_tokens, temperature=temperature, top_k=top_k, seed=seed)[0]
 
 
 class TerminalStream:

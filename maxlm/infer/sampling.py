@@ -72,14 +72,17 @@ def penalise(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
 
 
 def _top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the most likely tokens whose probabilities sum to ``top_p`` (at least the first one):
-    a token stays while the mass of the tokens ranked above it is below top_p."""
-    ranked = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    above = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.sum(above < top_p, axis=-1, keepdims=True)  # >= 1: the first token has nothing above
-    threshold = jnp.take_along_axis(ranked, kept - 1, axis=-1)
-    return jnp.where(logits < threshold, -jnp.inf, logits)
+    """Hugging Face's TopPLogitsWarper, by rank: sort ascending (stable, so of tied tokens the
+    lower ids come first), remove every token whose cumulative probability (itself included) is
+    at most ``1 - top_p``, keep the most likely one always, and scatter the mask back. Tokens tied
+    at the cutoff are split by rank, not all kept."""
+    order = jnp.argsort(logits, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ranked, axis=-1), axis=-1)
+    drop = (cumulative <= 1 - top_p).at[:, -1].set(False)  # min_tokens_to_keep = 1
+    rows = jnp.arange(logits.shape[0])[:, None]
+    drop = jnp.zeros_like(drop).at[rows, order].set(drop)
+    return jnp.where(drop, -jnp.inf, logits)
 
 
 def pick(logits: jax.Array, key: jax.Array, mode: Mode, knobs: jax.Array, seen: jax.Array | None = None) -> jax.Array:

@@ -4,16 +4,19 @@ The transformer touches a cache in exactly three places, so another layout (the 
 paged cache: blocks of K/V plus a block table per sequence) implements the same three methods and
 the model does not change:
 
-- ``layers()``: the per-layer arrays, stacked on a leading ``layers`` axis; the layer scan carries
-  one slice per layer (and the pipeline would carry them per stage).
+- ``layers()``: the per-layer arrays, stacked on a leading ``layers`` axis. The layer scan carries
+  the whole stack from layer to layer (not one slice per layer as scanned input and output), so
+  XLA updates it in place: a decode step writes only the new tokens' entries instead of copying
+  the cache.
 - ``write(tokens)``: before the layers run, decide where the new tokens go (here: slot =
   position, per row, so every row of a ragged batch writes at its own length; padding, segment
   0, goes nowhere) and return the cache with that bookkeeping, the ``Tokens`` that describe every
   slot (the attention keys), and the write index.
-- ``update_layer(layer, k, v, where)``: inside one layer, store the new tokens' k and v and
-  return the layer's full k and v to attend over.
+- ``update_layer(stacked, layer, k, v, where)``: inside layer ``layer`` (a traced index), store
+  the new tokens' k and v into the stack and return it with that layer's full k and v to attend
+  over.
 
-``with_layers(stacked)`` puts the scan's outputs back. A slot whose segment id is 0 is empty:
+``with_layers(stacked)`` puts the scan's final carry back. A slot whose segment id is 0 is empty:
 no query (segment >= 1) attends to it, so a padded prompt never leaks its padding.
 """
 
@@ -82,15 +85,24 @@ class KVCache:
         return self.replace(segments=segments), Tokens(positions=slots, segments=segments), where
 
     @staticmethod
-    def update_layer(layer: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array,
+    def update_layer(stacked: tuple[jax.Array, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Array,
                      where: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array, jax.Array]:
-        """Store k, v [B, T, K, H] at slots ``where`` [B, T]; returns (layer, all k, all v)."""
-        cache_k, cache_v = layer
-        cache_k = _scatter_rows(cache_k, where, k.astype(cache_k.dtype))
-        cache_v = _scatter_rows(cache_v, where, v.astype(cache_v.dtype))
-        return (cache_k, cache_v), cache_k, cache_v
+        """Store k, v [B, T, K, H] of layer ``layer`` at slots ``where`` [B, T] of the stacked
+        [L, B, S, K, H] arrays; returns (stacked, the layer's k [B, S, K, H], its v)."""
+        cache_k, cache_v = stacked
+        cache_k = _scatter_layer(cache_k, layer, where, k.astype(cache_k.dtype))
+        cache_v = _scatter_layer(cache_v, layer, where, v.astype(cache_v.dtype))
+        read = lambda a: jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
+        return (cache_k, cache_v), read(cache_k), read(cache_v)
 
 
 def _scatter_rows(target: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     """target[b, index[b, t]] = values[b, t] for every row b; out-of-range indices are dropped."""
     return jax.vmap(lambda row, i, val: row.at[i].set(val, mode="drop"))(target, index, values)
+
+
+def _scatter_layer(target: jax.Array, layer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """target[layer, b, index[b, t]] = values[b, t]; out-of-range indices are dropped. One scatter
+    of just the new entries into the whole stack, which XLA does in place on the scan's carry."""
+    rows = jnp.broadcast_to(jnp.arange(index.shape[0], dtype=index.dtype)[:, None], index.shape)
+    return target.at[layer, rows, index].set(values, mode="drop")

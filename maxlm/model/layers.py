@@ -99,8 +99,10 @@ class Attention(nn.Module):
         if cfg.position == "rope":
             inv_freq = rope_inv_freq(cfg)
             q, key = apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq)
-        if layer_cache is not None:
-            layer_cache, key, value = ctx.update_cache(layer_cache, key, value, ctx.where)
+        if layer_cache is not None:  # (the whole stacked cache, this layer's index)
+            stacked, layer = layer_cache
+            stacked, key, value = ctx.update_cache(stacked, layer, key, value, ctx.where)
+            layer_cache = (stacked, layer)
             key = constrain(key, ("batch", "cache_length", "kv_heads", "head_dim"))
             value = constrain(value, ("batch", "cache_length", "kv_heads", "head_dim"))
         out = attention(q, key, value, ctx.queries, ctx.keys, impl=cfg.attention_impl,
@@ -145,8 +147,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block. Fits ``nn.scan``: x is the carry, the layer's cache slice is
-    scanned in and out (None without a cache), the context is broadcast."""
+    """Pre-norm residual block. Fits ``nn.scan``: x is the carry, the context is broadcast.
+    ``layer_cache`` is None without a cache, else (the whole stacked cache, this layer's index):
+    the transformer carries the stack through the scan and returns it updated."""
 
     cfg: ModelConfig
 

@@ -88,10 +88,25 @@ class Transformer(nn.Module):
         cfg, block = self.cfg, block_class(self.cfg)
         if self.stack is not None and not self.is_initializing():
             return self.stack(block, cfg, self.variables["params"]["layers"], x, ctx, layer_cache)
-        scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+        if layer_cache is None:
+            scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           in_axes=nn.broadcast, length=cfg.n_layers,
+                           metadata_params={nn.PARTITION_NAME: "layers"})
+            return scan(cfg, name="layers")(x, ctx)
+
+        # With a cache the whole stacked cache is part of the carry (the layer index is the
+        # scanned input), so each layer scatters its new entries into it in place rather than
+        # taking a slice of it in and stacking a new one out (copies of the whole cache).
+        def body(layer_block, carry, ctx, layer):
+            x, stacked = carry
+            x, (stacked, _) = layer_block(x, ctx, (stacked, layer))
+            return (x, stacked), None
+        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(nn.broadcast, 0), length=cfg.n_layers,
                        metadata_params={nn.PARTITION_NAME: "layers"})
-        return scan(cfg, name="layers")(x, ctx, layer_cache)
+        (x, layer_cache), _ = scan(block(cfg, name="layers"), (x, layer_cache), ctx,
+                                   jnp.arange(cfg.n_layers, dtype=jnp.int32))
+        return x, layer_cache
 
 
 def forward(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array | None = None,

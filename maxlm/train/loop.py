@@ -151,7 +151,7 @@ class Loop:
                 loss_sum, w = jax.device_get(self.eval_step(self.state.params, batch))
                 total, weight = total + float(loss_sum), weight + float(w)
             loss = total / max(weight, 1.0)
-            tasks = self.evaluator.logged(self.eval_tasks, self.state.params) if self.eval_tasks else {}
+            tasks = self.task_metrics(at_step)
         self.eval_losses.append((at_step, loss))
         self.recorder.log(at_step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), **tasks})
         say(f"step {at_step}: eval loss {loss:.4f}" + "".join(f", {k.removeprefix('eval/')} {v:.4g}"
@@ -170,6 +170,22 @@ class Loop:
         except TaskError as err:
             raise TrainingError(f"TrainConfig.eval_tasks: {err}") from None
         return tasks
+
+    def task_metrics(self, at_step: int) -> dict[str, float]:
+        """The eval tasks' logged metrics. A task that fails here (a prompt or continuation that does
+        not fit the context, say) does not stop training: one line, and it is skipped from then on."""
+        from maxlm.eval import TaskError
+
+        out: dict[str, float] = {}
+        for task in list(self.eval_tasks):
+            try:
+                out.update(self.evaluator.logged([task], self.state.params))
+            except TaskError as err:  # Evaluator.run turns PromptError and other ValueErrors into one
+                self.eval_tasks.remove(task)
+                reason = " ".join(str(err).split())
+                say(f"step {at_step}: eval task {task.name} failed and is skipped from now on: {reason}")
+                self.recorder.event(at_step, "eval_task_skipped", task=task.name, reason=reason)
+        return out
 
     def save(self, at_step: int) -> float:
         """Start a checkpoint; returns the seconds the loop was blocked."""
@@ -288,6 +304,7 @@ class Loop:
         self.rollback = Rollback(tc, self.restore_before)
         self.last_loss = float("nan")
         with jax.set_mesh(mesh), Preemption() as self.preemption:
+            self.eval_tasks = self.open_eval_tasks()  # a bad task file fails before any restore or compile
             first, self.state, restored = self.start_state(resume_from)
             run_dir.write_config(operative_gin(cfg))  # only once the restore was accepted
             redo_until = max(self.previous, first) if restored else 0
@@ -295,7 +312,6 @@ class Loop:
                 cfg, mesh, self.optimizer, self.shardings, self.task.loss_fn, self.task.batch_spec,
                 self.task.trainable)
             self.eval_data = [step.device_batch(b, mesh, self.task.batch_spec) for b in self.task.eval_batches()]
-            self.eval_tasks = self.open_eval_tasks()
             self.describe(first)
             if first == 0 and first < tc.steps:
                 self.evaluate(0)  # the baseline the run is judged against
