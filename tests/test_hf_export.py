@@ -333,7 +333,8 @@ def test_bad_inputs_are_one_line(trained_run, tmp_path, capsys):
     shutil.copytree(trained_run, windowed)
     with open(windowed / "config.gin", "a") as f:
         f.write("\nModelConfig.sliding_window = 16\n")
-    _refused(["export", windowed, "--out", out], capsys, "ModelConfig.sliding_window = 16", "LlamaForCausalLM")
+    _refused(["export", windowed, "--out", out], capsys, f"{windowed / 'config.gin'}: ModelConfig.sliding_window = 16",
+             "LlamaForCausalLM")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "windowed"]
 
 

@@ -250,10 +250,13 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
     out_path = check_export_out(out)
     loaded = _load(path_or_loaded, step)
     cfg = loaded.cfg
-    family = family or infer_family(cfg)
-    dtype = dtype or _source_dtype(loaded)
-    ids = _token_ids(loaded)
-    config = export_config(cfg, family, dtype, ids)
+    try:  # the model's own config is at fault: name where it came from
+        family = family or infer_family(cfg)
+        dtype = dtype or _source_dtype(loaded)
+        ids = _token_ids(loaded)
+        config = export_config(cfg, family, dtype, ids)
+    except HFExportError as err:
+        raise HFExportError(f"{loaded.config_file or loaded.source}: {err}") from None
     _check_tokenizer(loaded, cfg)
     from maxlm.hf.load import to_numpy
 

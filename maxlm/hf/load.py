@@ -43,6 +43,7 @@ class LoadedModel:
     step: int | None = None  # the training step of a checkpoint
     run_config: Config | None = None  # the whole config of a run directory (None for HF dirs)
     hf_config: dict | None = None  # config.json of a Hugging Face directory
+    config_file: str = ""  # where ``cfg`` was read: RUN_DIR/config.gin or HF_DIR/config.json
 
 
 def _check_tensor(cfg: ModelConfig, mesh: jax.sharding.Mesh, source: str) -> None:
@@ -129,7 +130,7 @@ def _load_run(run_dir: Path, step_dir: Path | None, step: int | None, dtype: str
         raise LoadError(f"{step_dir or run_cfg.train.init_params}: cannot read the parameters "
                         f"({type(err).__name__}: {reason})") from None
     return LoadedModel(cfg, params, _tokenizer(run_cfg.data.tokenizer, str(run_dir / "config.gin")),
-                       mesh, source, at, run_cfg)
+                       mesh, source, at, run_cfg, config_file=str(run_dir / "config.gin"))
 
 
 def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> LoadedModel:
@@ -152,7 +153,8 @@ def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> Loaded
         except (OSError, ValueError) as err:
             raise LoadError(f"{hf_dir / 'tokenizer.json'}: cannot be loaded "
                             f"({' '.join(str(err).split())[:300]})") from None
-    return LoadedModel(cfg, params, tokenizer, mesh, str(hf_dir), None, None, hf)
+    return LoadedModel(cfg, params, tokenizer, mesh, str(hf_dir), None, None, hf,
+                       config_file=str(hf_dir / "config.json"))
 
 
 def load_model(path: str | Path, *, step: int | None = None, dtype: str | None = None,
