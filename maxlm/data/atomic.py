@@ -15,6 +15,7 @@ what the command writes, and only after the new output is complete.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -46,6 +47,15 @@ def check_disjoint(out: str, inputs: Iterable[tuple[str, str]]) -> None:
             continue
         raise ValueError(f"--out {out} {relation} the input {path} ({what}); writing there "
                          "could destroy or re-read the input, so choose an --out outside it")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, read in 16 MiB blocks (shards and weights can be GBs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def pid_alive(pid: int) -> bool:

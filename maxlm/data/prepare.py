@@ -34,14 +34,6 @@ from maxlm.data.tokenizer import get_tokenizer
 FIELDS = ("tokens", "segments", "positions")
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class Packer:
     """Concatenate-then-split packing into fixed rows, written as shards of ``rows_per_shard``."""
 
@@ -86,7 +78,7 @@ class Packer:
         for field in FIELDS:
             path = os.path.join(self.out_dir, f"{stem}.{field}.npy")
             np.save(path, self.buf[field][:rows])
-            entry["sha256"][field] = _sha256(path)
+            entry["sha256"][field] = atomic.file_sha256(path)
         self.shards.append(entry)
         self.row = 0
 

@@ -19,7 +19,6 @@ directory that looks complete. Every user mistake is a one-line ``HFExportError`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ import ml_dtypes  # registers bfloat16 with numpy, so safetensors can write it
 import numpy as np
 
 from maxlm.config import ModelConfig
+from maxlm.data.atomic import file_sha256
 from maxlm.hf.convert import export_params
 from maxlm.hf.hf_config import SUPPORTED, HFExportError, config_to_hf
 from maxlm.hf.safetensors_io import INDEX_FILE
@@ -137,16 +137,8 @@ def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: np.dtype, ma
     return names
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(out: Path, info: dict[str, Any]) -> None:
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
     (out / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=2) + "\n")
 
@@ -163,7 +155,7 @@ def verify_manifest(out: str | Path) -> str | None:
         path = out / name
         if not path.is_file():
             return f"{path}: missing"
-        if path.stat().st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+        if path.stat().st_size != want["bytes"] or file_sha256(path) != want["sha256"]:
             return f"{path}: size or sha256 differs from {MANIFEST}"
     return None
 

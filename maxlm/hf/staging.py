@@ -23,7 +23,7 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from maxlm.data.atomic import pid_alive  # one liveness check for every staged output
@@ -96,30 +96,42 @@ def _publish(stage: Path, run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(run_dir: Path) -> Iterator[Path]:
-    """A fresh hidden directory beside ``run_dir`` to write OUTPUTS into. They are published into
-    ``run_dir`` when the block completes; on any failure the directory is removed, with the parent
-    directories this made, and an OSError becomes one line."""
-    _clear_dead_stages(run_dir)
-    made = [p for p in (run_dir.parent, *run_dir.parent.parents) if not os.path.lexists(p)]
-    stage = run_dir.parent / f".{run_dir.name}.hf-import.tmp-{os.getpid()}"
+def _staging(target: Path, verb: str, error: type[ValueError], publish: Callable[[Path], None],
+             nothing: str) -> Iterator[Path]:
+    """A fresh hidden sibling of ``target`` to write into, handed to ``publish`` when the block
+    completes. On any failure it is removed, with the parent directories this made, and an OSError
+    becomes one line (``error``) ending "nothing was {nothing}"."""
+    _clear_dead_stages(target, verb, error)
+    made = [p for p in (target.parent, *target.parent.parents) if not os.path.lexists(p)]
+    stage = target.parent / f".{target.name}.hf-{verb}.tmp-{os.getpid()}"
     try:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         stage.mkdir()
         yield stage
-        missing = [name for name in OUTPUTS if not (stage / name).exists()]
-        if missing:  # a guard against bugs: never publish an incomplete import
-            raise RuntimeError(f"internal error: the import did not write {missing}")
-        _publish(stage, run_dir)
+        publish(stage)
     except OSError as err:
-        where = err.filename or run_dir
-        raise HFImportError(f"{where}: {err.strerror or err}; nothing was imported into {run_dir}") from None
+        where = err.filename or target
+        raise error(f"{where}: {err.strerror or err}; nothing was {nothing}") from None
     finally:
         if os.path.lexists(stage):
             shutil.rmtree(stage, ignore_errors=True)
         for path in made:  # deepest first; only the empty ones, so nothing else is ever removed
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+
+@contextlib.contextmanager
+def staged(run_dir: Path) -> Iterator[Path]:
+    """A fresh hidden directory beside ``run_dir`` to write OUTPUTS into. They are published into
+    ``run_dir`` when the block completes; on any failure nothing is left (``_staging``)."""
+    def publish(stage: Path) -> None:
+        missing = [name for name in OUTPUTS if not (stage / name).exists()]
+        if missing:  # a guard against bugs: never publish an incomplete import
+            raise RuntimeError(f"internal error: the import did not write {missing}")
+        _publish(stage, run_dir)
+
+    with _staging(run_dir, "import", HFImportError, publish, f"imported into {run_dir}") as stage:
+        yield stage
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,22 +159,9 @@ def check_export_out(out: str | Path) -> Path:
 @contextlib.contextmanager
 def staged_dir(out: Path) -> Iterator[Path]:
     """A fresh hidden sibling of ``out`` to write an export into, renamed onto ``out`` (absent or
-    an empty directory) when the block completes. On any failure it is removed, with the parent
-    directories this made; an OSError becomes a one-line HFExportError."""
-    _clear_dead_stages(out, "export", HFExportError)
-    made = [p for p in (out.parent, *out.parent.parents) if not os.path.lexists(p)]
-    stage = out.parent / f".{out.name}.hf-export.tmp-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        stage.mkdir()
-        yield stage
+    an empty directory) when the block completes; on any failure nothing is left (``_staging``)."""
+    def publish(stage: Path) -> None:
         os.rename(stage, out)  # atomic; fails (ENOTEMPTY) if --out was filled meanwhile
-    except OSError as err:
-        where = err.filename or out
-        raise HFExportError(f"{where}: {err.strerror or err}; nothing was exported to {out}") from None
-    finally:
-        if os.path.lexists(stage):
-            shutil.rmtree(stage, ignore_errors=True)
-        for path in made:  # deepest first; only the empty ones, so nothing else is ever removed
-            with contextlib.suppress(OSError):
-                path.rmdir()
+
+    with _staging(out, "export", HFExportError, publish, f"exported to {out}") as stage:
+        yield stage
