@@ -43,6 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxlm.config import ModelConfig
 from maxlm.infer.sampling import Mode, SamplingParams, mask_vocab, pick
+from maxlm.infer.text import safe_end as text_safe_end
+from maxlm.infer.text import stop_at
 from maxlm.model import KVCache, forward
 from maxlm.model.cache import LOGICAL_KV, LOGICAL_SLOTS
 from maxlm.parallel import sharding
@@ -214,19 +216,6 @@ class Generation:
                 f"cache {self.cache_length}); compile {self.compile_s:.1f} s")
 
 
-def _stop_at(tokenizer: Any, tokens: np.ndarray, stop_strings: Sequence[str], start: int) -> tuple[int, str] | None:
-    """(tokens to keep, completion text) when a stop string appears in the decoded tokens: keep up
-    to the token that completes it, and the text before it. ``start``: tokens already checked."""
-    text = tokenizer.decode(tokens)
-    found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
-    if not found:
-        return None
-    for n in range(max(start, 1), len(tokens) + 1):
-        if any(s in tokenizer.decode(tokens[:n]) for s in stop_strings):
-            return n, text[:min(found)]
-    return len(tokens), text[:min(found)]
-
-
 def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
         sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),
         stop_strings: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
@@ -321,7 +310,7 @@ def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new
                 if host_finish[r] or (checked[r] == count[r] and texts is not None and texts[r]):
                     continue
                 seq = out[r, :count[r]]
-                hit = _stop_at(tokenizer, seq, stop_strings, int(checked[r])) if stop_strings else None
+                hit = stop_at(tokenizer, seq, stop_strings, int(checked[r])) if stop_strings else None
                 checked[r] = count[r]
                 if hit:
                     host_finish[r], kept[r] = STOP_STRING, hit[0]
@@ -390,15 +379,6 @@ class TerminalStream:
         self.printed = [0] * len(labels)
         self.done = [False] * len(labels)
 
-    def _safe_end(self, text: str) -> int:
-        end = len(text.rstrip("\ufffd"))
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if text[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return end
-
     def __call__(self, progress: Progress) -> None:
         out = self.file or sys.stdout  # looked up now: tests and notebooks replace sys.stdout
         texts = progress.texts or [""] * len(self.labels)
@@ -407,7 +387,7 @@ class TerminalStream:
                 continue
             finished = progress.finish[r] is not None
             if len(self.labels) == 1:
-                end = len(text) if finished else self._safe_end(text)
+                end = len(text) if finished else text_safe_end(text, self.stops)
                 if end > self.printed[0]:
                     out.write(text[self.printed[0]:end])
                     self.printed[0] = end

@@ -100,3 +100,26 @@ def pick(logits: jax.Array, key: jax.Array, mode: Mode, knobs: jax.Array, seen: 
     if mode.top_p:
         logits = _top_p(logits, top_p)
     return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def pick_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+              seeds: jax.Array, counts: jax.Array) -> jax.Array:
+    """The next token of each row when every row has its own settings (the serving engine's
+    batches mix requests): [B] temperature (0 is greedy), top_k (0 is off), top_p (1 is off), and
+    a seed; row b draws with ``fold_in(PRNGKey(seed), count)`` (count: tokens it generated so far),
+    so its tokens do not depend on which rows share its batch. The warpers run only when some row
+    samples (``lax.cond``), so an all-greedy batch costs one argmax."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(logits):
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        ranked = -jnp.sort(-scaled, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, logits.shape[-1]), logits.shape[-1])
+        kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        scaled = jnp.where((top_p < 1.0)[:, None], _top_p(scaled, top_p[:, None]), scaled)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counts)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, logits)
