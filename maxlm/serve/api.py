@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2.sandbox
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from maxlm.serve.engine import Draining, Engine, Output, QueueFull, RequestError
@@ -68,17 +68,14 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
     def error(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+    def authorized(request: Request) -> None:
+        """The /v1 routes' guard (a dependency, not a middleware: Starlette's HTTP middleware
+        would hide a client's disconnect from the route)."""
+        if api_key is not None:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                      code="invalid_api_key"))
-        try:
-            return await call_next(request)
-        except APIError as err:
-            return error(err)
+                raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                               code="invalid_api_key")
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, err: APIError):
@@ -92,7 +89,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
     async def metrics():
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "maxlm", "max_model_len": engine.cfg.max_seq_len}]}
@@ -154,8 +151,8 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                     try:
                         out = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
                     except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            raise asyncio.CancelledError from None
+                        if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
+                            raise APIError(499, "the client closed the connection") from None
                         continue
                     r["text"] += out.text
                     r["tokens"], r["prompt"], r["cached"] = out.completion_tokens, out.prompt_tokens, out.cached_tokens
@@ -217,7 +214,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                 if not h.done:
                     engine.abort(h.id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
         req = parse(CompletionRequest, await body_of(request))
         check_model(req.model)
@@ -237,7 +234,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         return {**base, "choices": [{"index": i, "text": r["text"], "logprobs": None, "finish_reason": r["finish"]}
                                     for i, r in enumerate(results)], "usage": usage(results)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(request: Request):
         req = parse(ChatRequest, await body_of(request))
         check_model(req.model)
