@@ -107,9 +107,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                            "model_not_found")
 
     def encode(prompt: Any) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
+        if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "the prompt is empty", "prompt")
@@ -150,7 +148,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                 while not handle.done:
                     try:
                         out = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
                             raise APIError(499, "the client closed the connection") from None
                         continue

@@ -95,8 +95,10 @@ def parser() -> argparse.ArgumentParser:
                         "(default: %(default)s; the guides suggest 50-100 under bursty load)")
     p.add_argument("--block-size", type=_int(1), default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=_int(2), help="KV blocks in the pool (default: room for --max-num-seqs full contexts)")
-    p.add_argument("--max-prefill-tokens", type=_int(16), default=d.max_prefill_tokens,
+    p.add_argument("--max-prefill-tokens", type=_int(1), default=d.max_prefill_tokens,
                    help="prompt tokens computed per engine step; longer prompts are chunked (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=_int(1), default=d.prefill_chunk,
+                   help="tokens per row of a prefill call; a prompt spans several rows (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between equal prompt prefixes")
     p.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before serving")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -133,7 +135,8 @@ def serve(args: argparse.Namespace) -> int:
     except LoadError as err:
         raise UserError(str(err)) from None
     config = EngineConfig(max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks or 0,
-                          max_prefill_tokens=args.max_prefill_tokens, batch_wait_ms=args.batch_wait_ms,
+                          max_prefill_tokens=args.max_prefill_tokens,
+                          prefill_chunk=args.prefill_chunk, batch_wait_ms=args.batch_wait_ms,
                           max_queue=args.max_queue, prefix_caching=not args.no_prefix_caching)
     problem = config.problem(loaded.cfg)
     if problem:

@@ -6,18 +6,21 @@
 1. **Admit**: waiting requests join while fewer than ``max_num_seqs`` are in flight and the pool
    has their blocks (their prompt's whole blocks may come from the prefix cache). When the engine
    is idle, the first arrival waits up to ``batch_wait_ms`` for company (dynamic batching).
-2. **Prefill**: at most ``max_prefill_tokens`` prompt tokens across the admitted requests, one row
-   each, so a long prompt is computed in chunks over several steps and never stalls the decodes.
+2. **Prefill**: at most ``max_prefill_tokens`` prompt tokens across the admitted requests, in rows
+   of ``prefill_chunk``, so a long prompt is computed in chunks over several steps and never stalls
+   the decodes.
    A request whose prompt is complete picks its first token and starts decoding.
 3. **Decode**: one token for every decoding request, in one jitted call whose batch is padded to a
-   bucket (powers of two up to ``max_num_seqs``). A request that needs a new block and finds the
+   bucket. A request that needs a new block and finds the
    pool empty preempts the newest request (its blocks are freed; it waits at the head of the queue
    and is recomputed later, its full blocks likely still in the prefix cache).
 4. Requests that finish (stop token, stop string, max tokens, the context) leave at once and their
    callback gets the last ``Output``; their places go to waiting requests in the next step.
 
-Shapes: the block-table width is bucketed to powers of two of blocks (a row's attention reads only
-that many), prefill rows and widths to powers of two; each shape compiles once. Greedy requests
+Shapes: a decode's batch and block-table width (what its attention reads) are padded to powers of
+two, and above 8 to multiples of 8; a prefill is rows of ``prefill_chunk`` tokens (a prompt may
+span several rows of one call), their number a power of two, over the whole context. ``warmup``
+compiles every shape before serving. Greedy requests
 give exactly ``maxlm.infer.generate``'s tokens: batching, paging and preemption change no result.
 """
 
@@ -50,7 +53,11 @@ from maxlm.serve.paged_cache import PagedKVCache, copy_blocks
 log = logging.getLogger("maxlm.serve")
 
 MIN_WIDTH_BLOCKS = 4  # smallest bucket of block-table width
-MIN_PREFILL = 16  # smallest bucket of prefill chunk width
+# Decode buckets: powers of two up to these, then multiples of them. Padding rows and padding
+# blocks cost a decode step as much as real ones (attention over the table is most of a step on
+# CPU), so the buckets are finer where they are large; each is one more compile at start-up.
+BATCH_STEP = 8
+TABLE_STEP = 8
 THROUGHPUT_WINDOW_S = 10.0  # the tokens/s gauge counts the tokens of this many recent seconds
 
 
@@ -60,6 +67,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks in the pool; 0: room for max_num_seqs full contexts
     max_prefill_tokens: int = 512  # prompt tokens computed per step, all requests together
+    prefill_chunk: int = 32  # tokens per row of a prefill call (a prompt spans several rows)
     batch_wait_ms: float = 0.0  # an idle engine waits this long after an arrival for more
     max_queue: int = 256  # waiting requests at most; more are refused (HTTP 429)
     prefix_caching: bool = True
@@ -70,8 +78,10 @@ class EngineConfig:
             return f"--max-num-seqs = {self.max_num_seqs} must be >= 1"
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             return f"--block-size = {self.block_size} must be a power of two"
-        if self.max_prefill_tokens < MIN_PREFILL:
-            return f"--max-prefill-tokens = {self.max_prefill_tokens} must be >= {MIN_PREFILL}"
+        if self.prefill_chunk < 1:
+            return f"--prefill-chunk = {self.prefill_chunk} must be >= 1"
+        if self.max_prefill_tokens < self.prefill_chunk:
+            return f"--max-prefill-tokens = {self.max_prefill_tokens} must be >= --prefill-chunk = {self.prefill_chunk}"
         if self.batch_wait_ms < 0:
             return f"--batch-wait-ms = {self.batch_wait_ms} must be >= 0"
         if self.max_queue < 1:
@@ -148,7 +158,11 @@ class _Seq:
         return self.tokens[self.prompt_len:]
 
 
-def _bucket(n: int, low: int, cap: int) -> int:
+def _bucket(n: int, low: int, cap: int, step: int = 0) -> int:
+    """The padded size of ``n``: a power of two (at least ``low``), or with ``step``, above
+    ``step`` a multiple of it (finer buckets where padding costs the most), at most ``cap``."""
+    if step and n > step:
+        return min(cap, -(-n // step) * step)
     return min(cap, max(low, 1 << max(n - 1, 0).bit_length()))
 
 
@@ -170,7 +184,7 @@ def _jitted(cfg: ModelConfig, block_size: int, pool: NamedSharding, replicated: 
     engine, e.g. a test's, reuses the compiled executables)."""
     forward_fn = jax.jit(lambda *a: _step(cfg, block_size, *a), donate_argnums=(1, 2),
                          out_shardings=(pool, pool, replicated))
-    copy_fn = jax.jit(lambda p, src, dst: copy_blocks(p, src, dst, block_size), donate_argnums=0,
+    copy_fn = jax.jit(copy_blocks, donate_argnums=0,
                       out_shardings=pool)
     return forward_fn, copy_fn
 
@@ -349,19 +363,23 @@ class Engine:
                 self.pool_k = self._copy(self.pool_k, src_d, dst_d)
                 self.pool_v = self._copy(self.pool_v, src_d, dst_d)
 
-    def _run(self, kind: str, rows: list[_Seq], chunks: list[int], padding: bool = False) -> np.ndarray:
-        """One jitted forward: row i computes ``chunks[i]`` tokens of ``rows[i]`` from its
-        ``computed`` on; returns each row's next token. Shapes: a decode pads its rows to a batch
-        bucket and its block tables to a width bucket (what attention reads); a prefill is
-        ``prefill_shape(max(chunks))`` over the whole context. ``padding``: every row is padding
-        (the warm-up's compiles), so nothing is written."""
+    def _run(self, kind: str, rows: list[tuple[_Seq, int, int, int]], padding: bool = False) -> np.ndarray:
+        """One jitted forward over ``rows`` of (request, first position, tokens, the request's
+        length once this call is done); returns each row's pick of the token after its last one.
+
+        A request's prompt may span several rows of one prefill call: every row's new K/V is
+        scattered into the pool before any row gathers its blocks (in each layer), so a later
+        chunk attends to an earlier one of the same call, and the positional mask keeps each
+        query causal. Shapes: a decode pads its rows to a batch bucket and its block tables to a
+        width bucket (what attention reads); a prefill has rows of ``prefill_chunk`` tokens, their
+        number a power of two, over the whole context. ``padding``: every row is padding (the
+        warm-up's compiles), so nothing is written."""
         bs, cap = self.config.block_size, self.max_blocks
         if kind == "decode":
-            batch, width = _bucket(len(rows), 1, self.config.max_num_seqs), 1
-            table_w = _bucket(max(-(-(s.computed + 1) // bs) for s in rows), MIN_WIDTH_BLOCKS, cap)
-        else:
-            batch, width = self.prefill_shape(max(chunks))
-            table_w = cap
+            batch, width = _bucket(len(rows), 1, self.config.max_num_seqs, BATCH_STEP), 1
+            table_w = _bucket(max(-(-end // bs) for *_, end in rows), MIN_WIDTH_BLOCKS, cap, TABLE_STEP)
+        else:  # the whole context: a prefill is a few calls per prompt, and each table width a compile
+            batch, width, table_w = self.prefill_rows(len(rows)), self.config.prefill_chunk, cap
         tokens = np.zeros((batch, width), np.int32)
         positions = np.zeros((batch, width), np.int32)
         valid = np.zeros((batch, width), np.int32)
@@ -373,13 +391,13 @@ class Engine:
         top_p = np.ones(batch, np.float32)
         seeds = np.zeros(batch, np.int32)
         counts = np.zeros(batch, np.int32)
-        for i, (seq, n) in enumerate(zip(rows, chunks)):
-            tokens[i, :n] = seq.tokens[seq.computed:seq.computed + n]
-            positions[i, :n] = np.arange(seq.computed, seq.computed + n)
+        for i, (seq, start, n, end) in enumerate(rows):
+            tokens[i, :n] = seq.tokens[start:start + n]
+            positions[i, :n] = np.arange(start, start + n)
             valid[i, :n] = 0 if padding else 1
             held = seq.blocks[:table_w]
             tables[i, :len(held)] = held
-            lengths[i], last[i] = seq.computed + n, n - 1
+            lengths[i], last[i] = end, n - 1
             p = seq.params
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seeds[i], counts[i] = seq.seed, len(seq.tokens) - seq.prompt_len
@@ -403,42 +421,32 @@ class Engine:
         return True
 
     def _prefill(self) -> None:
-        """Prompt chunks within the step's token budget (``prefill_shape``): requests already
-        prefilling first (in arrival order), then waiting requests admitted while the rows,
-        ``max_num_seqs`` and the pool allow. Blocks are taken per chunk, so a queued prompt holds no empty blocks."""
-        rows, chunks = [], []
-        room = self.config.max_num_seqs - len(self.prefilling) - len(self.running)
-        left = [len(s.tokens) - s.computed for s in (*self.prefilling, *list(self.waiting)[:max(room, 0)])]
-        if not left:
-            return
-        # The chunk width: wide enough for the first requests that fit beside each other.
-        width = self.prefill_shape(left[0])[1]
-        while True:
-            most = self.prefill_shape(max(left[:self.prefill_shape(width)[0]]))[1]
-            if most <= width:
-                break
-            width = most
-        most_rows = self.prefill_shape(width)[0]
+        """Prompt tokens within the step's budget (``prefill_rows``), in rows of
+        ``prefill_chunk``: requests already prefilling first (in arrival order), then waiting
+        requests admitted while rows, ``max_num_seqs`` and the pool allow. Blocks are taken per
+        chunk, so a queued prompt holds no empty blocks."""
+        chunk, bs = self.config.prefill_chunk, self.config.block_size
+        free_rows = self.config.max_prefill_tokens // chunk
+        plan: list[tuple[_Seq, int]] = []  # (request, tokens computed this call)
         for seq in list(self.prefilling):
-            n = min(len(seq.tokens) - seq.computed, width)
-            if n <= 0 or len(rows) == most_rows:
+            if not free_rows:
                 break
+            n = min(len(seq.tokens) - seq.computed, free_rows * chunk)
             while not self._grow(seq, seq.computed + n):
-                victims = self.running or [s for s in self.prefilling if s is not seq and s not in rows]
-                if not victims:  # only chunks already scheduled hold the pool: wait a step
+                victims = self.running or [s for s in self.prefilling if s is not seq and s not in dict(plan)]
+                if not victims:  # only chunks already planned hold the pool: wait a step
                     n = 0
                     break
                 self._preempt(victims[-1])
             if n:
-                rows.append(seq)
-                chunks.append(n)
-        bs = self.config.block_size
-        while (self.waiting and len(rows) < most_rows
+                plan.append((seq, n))
+                free_rows -= -(-n // chunk)
+        while (self.waiting and free_rows
                and len(self.prefilling) + len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             hit = self.blocks.match_prefix(seq.tokens)
             computed = min(len(hit) * bs, len(seq.tokens) - 1)
-            n = min(len(seq.tokens) - computed, width)
+            n = min(len(seq.tokens) - computed, free_rows * chunk)
             need = max(-(-(computed + n) // bs) - len(hit), 0) + (computed < len(hit) * bs)  # + a copy
             # Keep a block per decoding request in hand, so admitting does not force a preemption.
             if need + len(self.running) > self.blocks.num_free:
@@ -450,19 +458,22 @@ class Engine:
                 seq.cached = computed
             self._grow(seq, computed + n)
             self.prefilling.append(seq)
-            rows.append(seq)
-            chunks.append(n)
-        if not rows:
+            plan.append((seq, n))
+            free_rows -= -(-n // chunk)
+        if not plan:
             return
-        picked = self._run("prefill", rows, chunks)
+        rows = [(seq, start, min(chunk, seq.computed + n - start), seq.computed + n)
+                for seq, n in plan for start in range(seq.computed, seq.computed + n, chunk)]
+        picked = self._run("prefill", rows)
         now = time.monotonic()
-        for seq, n, token in zip(rows, chunks, picked):
+        last = {id(seq): token for (seq, *_), token in zip(rows, picked)}  # each request's last row
+        for seq, n in plan:
             seq.computed += n
             self.blocks.register(seq.tokens, seq.blocks, seq.computed)
             if seq.computed == len(seq.tokens):
                 self.prefilling.remove(seq)
                 self.running.append(seq)
-                self._append(seq, int(token), now)
+                self._append(seq, int(last[id(seq)]), now)
 
     def _preempt(self, seq: _Seq) -> None:
         """Free a request's blocks and send it back to the head of the queue (recomputed later)."""
@@ -492,7 +503,7 @@ class Engine:
         if not self.running:
             return
         rows = list(self.running)
-        picked = self._run("decode", rows, [1] * len(rows))
+        picked = self._run("decode", [(seq, seq.computed, 1, seq.computed + 1) for seq in rows])
         now = time.monotonic()
         for seq, token in zip(rows, picked):
             seq.computed += 1
@@ -575,38 +586,37 @@ class Engine:
         m.tokens_per_s.set(len(self._recent) / THROUGHPUT_WINDOW_S)
         m.kv_waste.set(self.kv_waste())
 
-    def prefill_shape(self, tokens: int) -> tuple[int, int]:
-        """(rows, width) of the prefill call whose rows hold chunks of up to ``tokens`` tokens:
-        the width is a power of two and rows x width is the step's prefill budget, so there are
-        only log2(budget / MIN_PREFILL) + 1 prefill shapes to compile."""
-        budget = self.config.max_prefill_tokens
-        width = _bucket(min(tokens, budget), MIN_PREFILL, budget)
-        return max(budget // width, 1), width
+    def prefill_rows(self, rows: int) -> int:
+        """The rows of a prefill call holding ``rows`` chunks: a power of two, at most the step's
+        budget (``max_prefill_tokens / prefill_chunk``), so there are only a handful of prefill
+        shapes to compile."""
+        most = max(self.config.max_prefill_tokens // self.config.prefill_chunk, 1)
+        return _bucket(rows, 1, most)
 
     def decode_buckets(self) -> list[int]:
         """The batch sizes decode steps are padded to."""
         n = self.config.max_num_seqs
-        return sorted({_bucket(b, 1, n) for b in range(1, n + 1)})
+        return sorted({_bucket(b, 1, n, BATCH_STEP) for b in range(1, n + 1)})
 
     def table_buckets(self) -> list[int]:
         """The block-table widths (in blocks) steps are padded to."""
-        return sorted({_bucket(b, MIN_WIDTH_BLOCKS, self.max_blocks) for b in range(1, self.max_blocks + 1)})
+        return sorted({_bucket(b, MIN_WIDTH_BLOCKS, self.max_blocks, TABLE_STEP) for b in range(1, self.max_blocks + 1)})
 
     def warmup(self) -> float:
         """Compile the decode step for every (batch, table width) bucket and a one-row prefill of
         every chunk width, with rows of padding (they write nothing). Returns the seconds taken."""
         start = time.perf_counter()
-        pad = _Seq("warmup", [0] * self.cfg.max_seq_len, 0, 1, RequestParams(), frozenset(), 0, lambda o: None, 0.0)
+        pad = _Seq("warmup", [0] * max(self.cfg.max_seq_len, self.config.prefill_chunk), 0, 1, RequestParams(), frozenset(), 0, lambda o: None, 0.0)
         for table_w in self.table_buckets():
-            pad.computed, pad.blocks = table_w * self.config.block_size - 1, []
+            end = table_w * self.config.block_size
             for batch in self.decode_buckets():
-                self._run("decode", [pad] * batch, [1] * batch, padding=True)
+                self._run("decode", [(pad, end - 1, 1, end)] * batch, padding=True)
         null = jax.device_put(np.zeros(1, np.int32), self._replicated)  # block 0 onto itself: zeros stay zeros
         with jax.set_mesh(self.mesh):
             self.pool_k = self._copy(self.pool_k, null, null)
-        for width in sorted({self.prefill_shape(n)[1] for n in range(1, self.config.max_prefill_tokens + 1)}):
-            pad.computed = 0
-            self._run("prefill", [pad], [min(width, self.cfg.max_seq_len - 1)], padding=True)
+        chunk = self.config.prefill_chunk
+        for rows in sorted({self.prefill_rows(n) for n in range(1, self.config.max_prefill_tokens // chunk + 1)}):
+            self._run("prefill", [(pad, 0, chunk, chunk)] * rows, padding=True)
         return time.perf_counter() - start
 
     def kv_waste(self) -> float:
