@@ -216,16 +216,9 @@ class Generation:
                 f"cache {self.cache_length}); compile {self.compile_s:.1f} s")
 
 
-def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-        sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),
-        stop_strings: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
-        mesh: jax.sharding.Mesh | None = None, on_progress: Callable[[Progress], None] | None = None,
-        chunk: int = 1) -> Generation:
-    """Continue each prompt (token ids; lengths may differ, each below ``max_seq_len``) by at most
-    ``max_new_tokens`` tokens. ``on_progress`` is called after the prefill and after every
-    ``chunk`` decode steps (streaming). Stop strings and texts need a ``tokenizer``. Runs on
-    ``mesh`` (default: the parameters' own). ``sampling`` defaults to greedy."""
-    sampling = sampling or SamplingParams()
+def _check(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: SamplingParams,
+           stop_strings: Sequence[str], tokenizer: Any, chunk: int) -> list[np.ndarray]:
+    """The prompts as 1-D int32 arrays; a ValueError (PromptError for one prompt) for bad input."""
     problem = sampling.problem()
     if problem:
         raise ValueError(problem)
@@ -246,7 +239,24 @@ def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new
                                  f"{cfg.max_seq_len}) leaves room for at most {cfg.max_seq_len - 1}")
         if p.min() < 0 or p.max() >= cfg.vocab_size:
             raise PromptError(i, f"prompt holds token ids outside [0, {cfg.vocab_size})")
-    mesh = mesh or mesh_of(params)
+    return prompts
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The padded batch: the bucket's shapes and the host arrays the executables take."""
+
+    batch: int
+    width: int
+    cache_len: int
+    tokens: np.ndarray  # [batch, width] right-padded prompts
+    lengths: np.ndarray  # [batch]; padding rows have length 1
+    limit: np.ndarray  # [batch] new tokens each row may take (0 for padding rows)
+    stop_ids: np.ndarray  # stop token ids, padded with -1 to a multiple of STOP_SLOTS
+
+
+def _layout(cfg: ModelConfig, prompts: list[np.ndarray], max_new_tokens: int, stop_tokens: Sequence[int],
+            mesh: jax.sharding.Mesh) -> _Layout:
     rows = len(prompts)
     degree = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = -(-(1 << (rows - 1).bit_length()) // degree) * degree
@@ -262,21 +272,84 @@ def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new
     stops = sorted({int(t) for t in stop_tokens})
     stop_ids = np.full(-(-max(len(stops), 1) // STOP_SLOTS) * STOP_SLOTS, -1, np.int32)
     stop_ids[:len(stops)] = stops
+    return _Layout(batch, width, cache_len, tokens, lengths, limit, stop_ids)
+
+
+class _HostStops:
+    """The host's side of a chunked decode: after each chunk of steps, decode every running row's
+    text, look for stop strings, and report progress. Rows it stops are ``finish``ed here."""
+
+    def __init__(self, rows: int, tokenizer: Any, stop_strings: Sequence[str]):
+        self.rows, self.tokenizer, self.stop_strings = rows, tokenizer, stop_strings
+        self.finish = np.zeros(rows, np.int32)  # STOP_STRING where a stop string was found
+        self.kept = np.zeros(rows, np.int64)  # tokens kept by a stop string
+        self.texts: list[str] | None = [""] * rows if tokenizer is not None else None
+        self.checked = np.zeros(rows, np.int64)
+
+    def scan(self, out: np.ndarray, count: np.ndarray) -> None:
+        for r in range(self.rows):
+            if self.finish[r] or (self.checked[r] == count[r] and self.texts is not None and self.texts[r]):
+                continue
+            seq = out[r, :count[r]]
+            hit = stop_at(self.tokenizer, seq, self.stop_strings, int(self.checked[r])) if self.stop_strings else None
+            self.checked[r] = count[r]
+            if hit:
+                self.finish[r], self.kept[r] = STOP_STRING, hit[0]
+                self.texts[r] = hit[1]
+            elif self.texts is not None:
+                self.texts[r] = self.tokenizer.decode(seq)
+
+    def progress(self, out: np.ndarray, count: np.ndarray, finish: np.ndarray, logits: jax.Array) -> Progress:
+        rows = range(self.rows)
+        return Progress([out[r, :self.kept[r] if self.finish[r] else count[r]] for r in rows],
+                        [FINISH_NAMES.get(int(self.finish[r] or finish[r])) for r in rows],
+                        list(self.texts) if self.texts is not None else None, logits[:self.rows])
+
+    def results(self, out: np.ndarray, count: np.ndarray, finish: np.ndarray) -> tuple[list, list, list | None]:
+        """(new tokens, finish reasons, texts) of every real row."""
+        tokens, reasons, texts = [], [], self.texts
+        for r in range(self.rows):
+            if self.finish[r]:
+                tokens.append(out[r, :self.kept[r]].copy())
+                reasons.append(FINISH_NAMES[STOP_STRING])
+            else:
+                tokens.append(out[r, :count[r]].copy())
+                reasons.append(FINISH_NAMES[int(finish[r])])
+                if texts is not None:
+                    texts[r] = self.tokenizer.decode(tokens[-1])
+        return tokens, reasons, texts
+
+
+def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+        sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),
+        stop_strings: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
+        mesh: jax.sharding.Mesh | None = None, on_progress: Callable[[Progress], None] | None = None,
+        chunk: int = 1) -> Generation:
+    """Continue each prompt (token ids; lengths may differ, each below ``max_seq_len``) by at most
+    ``max_new_tokens`` tokens. ``on_progress`` is called after the prefill and after every
+    ``chunk`` decode steps (streaming). Stop strings and texts need a ``tokenizer``. Runs on
+    ``mesh`` (default: the parameters' own). ``sampling`` defaults to greedy."""
+    sampling = sampling or SamplingParams()
+    prompts = _check(cfg, prompts, max_new_tokens, sampling, stop_strings, tokenizer, chunk)
+    mesh = mesh or mesh_of(params)
+    rows = len(prompts)
+    lay = _layout(cfg, prompts, max_new_tokens, stop_tokens, mesh)
+    host = _HostStops(rows, tokenizer, stop_strings)
 
     compile_s = 0.0
     with jax.set_mesh(mesh):
         params = _place_params(cfg, params, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
         tokens, lengths_d, limit_d, stop_ids_d, knobs, rng = jax.device_put(
-            (tokens, lengths, limit, stop_ids, sampling.knobs(), jax.random.PRNGKey(seed)), replicated)
+            (lay.tokens, lay.lengths, lay.limit, lay.stop_ids, sampling.knobs(), jax.random.PRNGKey(seed)), replicated)
         # Shape, dtype and placement of every parameter: the same cfg with (say) bf16-cast
         # parameters is a different executable.
         param_key = tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(params))
         mode = sampling.mode()
-        key = (cfg, mode, batch, width, cache_len, stop_ids.size, mesh, param_key)
+        key = (cfg, mode, lay.batch, lay.width, lay.cache_len, lay.stop_ids.size, mesh, param_key)
 
         def build_prefill():
-            fn = jax.jit(lambda *a: _prefill(cfg, mode, cache_len, *a))
+            fn = jax.jit(lambda *a: _prefill(cfg, mode, lay.cache_len, *a))
             return fn.lower(params, tokens, lengths_d, limit_d, stop_ids_d, knobs, rng).compile()
 
         start = time.perf_counter()
@@ -293,63 +366,40 @@ def run(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]], max_new
             return fn.lower(params, state, stop_ids_d, knobs, jax.device_put(np.int32(0), replicated)).compile()
 
         start = time.perf_counter()  # max_new_tokens 1: the prefill picked every token there is
-        decode = _executable("decode", key, build_decode) if limit.max() > 1 else None
+        decode = _executable("decode", key, build_decode) if lay.limit.max() > 1 else None
         compile_s += time.perf_counter() - start
 
-        chunked = on_progress is not None or bool(stop_strings)
-        step = chunk if on_progress is not None else STOP_STRING_CHUNK
-        host_finish = np.zeros(rows, np.int32)  # stop strings, found on the host
-        kept = np.zeros(rows, np.int64)  # tokens kept by a stop string
-        texts: list[str] | None = [""] * rows if tokenizer is not None else None
-        checked = np.zeros(rows, np.int64)
-        steps_taken = 1  # the prefill picked the first token
+        def until(step: int) -> jax.Array:
+            return jax.device_put(np.int32(step), replicated)
+
         start = time.perf_counter()
-        while chunked:  # one host sync per chunk: read the new tokens, look for stop strings
-            out, count, finish = (np.array(x) for x in jax.device_get((state.out, state.count, state.finish)))
-            for r in range(rows):
-                if host_finish[r] or (checked[r] == count[r] and texts is not None and texts[r]):
-                    continue
-                seq = out[r, :count[r]]
-                hit = stop_at(tokenizer, seq, stop_strings, int(checked[r])) if stop_strings else None
-                checked[r] = count[r]
-                if hit:
-                    host_finish[r], kept[r] = STOP_STRING, hit[0]
-                    texts[r] = hit[1]
-                elif texts is not None:
-                    texts[r] = tokenizer.decode(seq)
-            newly = (host_finish > 0) & (finish[:rows] == RUNNING)
-            if newly.any():  # tell the device, so those rows stop writing
-                finish[:rows][newly] = STOP_STRING
-                state = state.replace(finish=jax.device_put(finish, state.finish.sharding))
-            if on_progress is not None:
-                on_progress(Progress(
-                    [out[r, :kept[r] if host_finish[r] else count[r]] for r in range(rows)],
-                    [FINISH_NAMES.get(int(host_finish[r] or finish[r])) for r in range(rows)],
-                    list(texts) if texts is not None else None, state.logits[:rows]))
-            if not (finish == RUNNING).any():
-                break
-            steps_taken += step  # the loop ends early only when every row is finished
-            state = decode(params, state, stop_ids_d, knobs, jax.device_put(np.int32(steps_taken), replicated))
-        if not chunked and decode is not None:  # the whole decode in one call: no host sync per token
-            state = decode(params, state, stop_ids_d, knobs, jax.device_put(np.int32(cache_len), replicated))
-            jax.block_until_ready(state.out)
+        if on_progress is not None or stop_strings:  # one host sync per chunk of steps
+            step = chunk if on_progress is not None else STOP_STRING_CHUNK
+            steps_taken = 1  # the prefill picked the first token
+            while True:
+                out, count, finish = (np.array(x) for x in jax.device_get((state.out, state.count, state.finish)))
+                host.scan(out, count)
+                newly = (host.finish > 0) & (finish[:rows] == RUNNING)
+                if newly.any():  # tell the device, so those rows stop writing
+                    finish[:rows][newly] = STOP_STRING
+                    state = state.replace(finish=jax.device_put(finish, state.finish.sharding))
+                if on_progress is not None:
+                    on_progress(host.progress(out, count, finish, state.logits))
+                if not (finish == RUNNING).any():
+                    break
+                steps_taken += step  # the loop ends early only when every row is finished
+                state = decode(params, state, stop_ids_d, knobs, until(steps_taken))
+        elif decode is not None:  # the whole decode in one call: no host sync per token
+            state = jax.block_until_ready(decode(params, state, stop_ids_d, knobs, until(lay.cache_len)))
         steps_taken = int(state.step)
         decode_s = time.perf_counter() - start
         out, count, finish = (np.asarray(x) for x in jax.device_get((state.out, state.count, state.finish)))
 
-    new_tokens, reasons = [], []
-    for r in range(rows):
-        if host_finish[r]:
-            new_tokens.append(out[r, :kept[r]].copy())
-            reasons.append(FINISH_NAMES[STOP_STRING])
-        else:
-            new_tokens.append(out[r, :count[r]].copy())
-            reasons.append(FINISH_NAMES[int(finish[r])])
-            if texts is not None:
-                texts[r] = tokenizer.decode(new_tokens[-1])
-    return Generation(new_tokens, reasons, texts, prefill_tokens=int(lengths[:rows].sum()), prefill_s=prefill_s,
+    new_tokens, reasons, texts = host.results(out, count, finish)
+    return Generation(new_tokens, reasons, texts, prefill_tokens=int(lay.lengths[:rows].sum()), prefill_s=prefill_s,
                       decode_tokens=int(sum(max(len(t) - 1, 0) for t in new_tokens)), decode_s=decode_s,
-                      compile_s=compile_s, steps=steps_taken, batch=batch, width=width, cache_length=cache_len)
+                      compile_s=compile_s, steps=steps_taken, batch=lay.batch, width=lay.width,
+                      cache_length=lay.cache_len)
 
 
 def generate(cfg: ModelConfig, params: Any, prompts: Sequence[np.ndarray], new_tokens: int, *,
