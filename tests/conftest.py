@@ -1,6 +1,14 @@
 """Test setup: 8 fake CPU devices, forced before anything imports jax."""
 
 import os
+import sys
+from pathlib import Path
+
+# `python -m pytest` from the repository root puts the root first on sys.path, where our top-level
+# kernels/ folder would shadow PyPI's `kernels` package, which transformers >= 5.25 imports. Tests
+# still import `tests.*` from the root, so it moves to the end of the path instead of leaving it.
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [p for p in sys.path if p not in ("", ".", ROOT)] + [ROOT]
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()

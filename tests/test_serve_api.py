@@ -24,12 +24,12 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from maxlm import model  # noqa: E402
-from maxlm.config import ModelConfig  # noqa: E402
-from maxlm.data.tokenizer import ByteTokenizer  # noqa: E402
-from maxlm.infer import generate as gen  # noqa: E402
-from maxlm.serve.api import DEFAULT_CHAT_TEMPLATE, build_app, chat_renderer  # noqa: E402
-from maxlm.serve.engine import Engine, EngineConfig  # noqa: E402
+from maxlm import model
+from maxlm.config import ModelConfig
+from maxlm.data.tokenizer import ByteTokenizer
+from maxlm.infer import generate as gen
+from maxlm.serve.api import DEFAULT_CHAT_TEMPLATE, build_app, chat_renderer
+from maxlm.serve.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128,
@@ -118,6 +118,7 @@ def test_openai_client_completions_chat_and_streaming(served):
     assert pieces[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_32_clients_200_requests_equal_generate(served):
     s = served
     rng = np.random.default_rng(0)
@@ -263,6 +264,7 @@ def exported(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_drains_the_requests_in_flight_then_exits_0(exported):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), MAXLM_API_KEY="")

@@ -12,7 +12,13 @@ from maxlm.config import ModelConfig
 from maxlm.data.tokenizer import ByteTokenizer
 from maxlm.infer import generate as gen
 from maxlm.infer.placement import inference_mesh, param_shardings
-from maxlm.serve.engine import Engine, EngineConfig, QueueFull, RequestError, RequestParams
+from maxlm.serve.engine import (
+    Engine,
+    EngineConfig,
+    QueueFull,
+    RequestError,
+    RequestParams,
+)
 
 LLAMA = dict(vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128,
              dtype="float32", init_std=0.2)
@@ -66,6 +72,7 @@ def assert_no_leak(engine):
     assert engine.blocks.num_free == engine.blocks.num_blocks - 1
 
 
+@pytest.mark.slow
 def test_concurrent_load_equals_generate_and_leaks_nothing(llama):
     cfg, params = llama
     prompts, limits = load()
@@ -80,6 +87,7 @@ def test_concurrent_load_equals_generate_and_leaks_nothing(llama):
     assert 0 < engine.kv_waste() < 0.10
 
 
+@pytest.mark.slow
 def test_preemption_changes_no_token(llama):
     cfg, params = llama
     prompts, limits = load(64, seed=1)
@@ -91,6 +99,7 @@ def test_preemption_changes_no_token(llama):
     assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_and_changes_no_token(llama):
     cfg, params = llama
     prompts, limits = load(24, seed=2, shared=64)  # a long shared "system prompt"
@@ -183,6 +192,7 @@ def test_bad_requests_are_refused_with_the_field(llama):
         Engine(cfg, params, config=EngineConfig(block_size=8, num_blocks=10))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_engine_equals_generate(llama):
     cfg, params = llama
     mesh = inference_mesh(2)
