@@ -15,14 +15,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import jax
 import numpy as np
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+import uvicorn
 
 from maxlm import model
 from maxlm.config import ModelConfig

@@ -470,17 +470,17 @@ class Engine:
         for seq, n in plan:
             seq.computed += n
             self.blocks.register(seq.tokens, seq.blocks, seq.computed)
-            if seq.computed == len(seq.tokens):
-                self.prefilling.remove(seq)
+            if seq.computed == len(seq.tokens):  # (joins before it leaves: busy() never sees a gap)
                 self.running.append(seq)
+                self.prefilling.remove(seq)
                 self._append(seq, int(last[id(seq)]), now)
 
     def _preempt(self, seq: _Seq) -> None:
         """Free a request's blocks and send it back to the head of the queue (recomputed later)."""
+        self.waiting.appendleft(seq)
         (self.running if seq in self.running else self.prefilling).remove(seq)
         self.blocks.release(seq.blocks)
         seq.blocks, seq.computed = [], 0
-        self.waiting.appendleft(seq)
         self.preemptions += 1
         self.metrics.preemptions.inc()
 
