@@ -302,7 +302,12 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(exported):
 def test_cli_mistakes_are_one_line_and_exit_2(exported, tmp_path, capsys):
     from maxlm.serve.cli import main
 
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
     cases = [
+        (["--checkpoint", str(exported), "--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1:"),
+        (["--checkpoint", str(exported), "--host", "no.such.host.invalid"], "--host no.such.host.invalid"),
         (["--checkpoint", str(tmp_path / "nope")], "nope"),
         (["--checkpoint", str(exported), "--num-blocks", "3"], "--num-blocks = 3"),
         (["--checkpoint", str(exported), "--block-size", "12"], "--block-size = 12"),
@@ -317,3 +322,4 @@ def test_cli_mistakes_are_one_line_and_exit_2(exported, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
         assert err.startswith("maxlm.serve: error:")
+    taken.close()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -125,7 +126,24 @@ def _chat_template(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Fail before the model loads when the address cannot be listened on (in use, or not an
+    address of this machine), rather than after minutes of compiling."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise UserError(f"--host {host}: not an address this machine can listen on ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise UserError(f"cannot listen on {host}:{port} ({err.strerror})") from None
+
+
 def serve(args: argparse.Namespace) -> int:
+    _check_listen(args.host, args.port)
     chat_template = _chat_template(args)
     from maxlm.hf.load import LoadError, load_model
     from maxlm.serve.engine import Engine, EngineConfig
@@ -168,11 +186,12 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     try:
         server.run()  # returns after SIGTERM / Ctrl-C, once open requests have finished
+    except SystemExit:  # uvicorn could not start (its log line says why), e.g. the port was taken meanwhile
+        raise UserError(f"could not listen on {args.host}:{args.port} (see the line above)") from None
     finally:
         engine.shutdown(drain=True)
     if not server.started:
-        raise UserError(f"could not listen on {args.host}:{args.port} (see the log above: in use, or not an "
-                        "address of this machine)")
+        raise UserError(f"could not start serving on {args.host}:{args.port} (see the lines above)")
     print("maxlm.serve: drained and stopped", file=sys.stderr, flush=True)
     return 0
 
