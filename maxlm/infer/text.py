@@ -24,8 +24,10 @@ def stop_at(tokenizer: Any, tokens: np.ndarray, stop_strings: Sequence[str], sta
 
 def safe_end(text: str, stop_strings: Sequence[str]) -> int:
     """How much of a running completion's text may be shown: not a trailing partial UTF-8
-    character (decoded as U+FFFD), nor a tail that could be the start of a stop string."""
-    end = len(text.rstrip("\ufffd"))
+    character, nor a tail that could be the start of a stop string. An incomplete character at
+    the end decodes to one U+FFFD; earlier ones are invalid bytes for good, so they are shown
+    (holding back every trailing U+FFFD would stall a stream of invalid bytes to its end)."""
+    end = len(text) - 1 if text.endswith("\ufffd") else len(text)
     for s in stop_strings:
         for k in range(min(len(s) - 1, end), 0, -1):
             if text[:end].endswith(s[:k]):

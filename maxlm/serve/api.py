@@ -198,7 +198,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                     if out.finish_reason == "error":
                         yield sse(APIError(500, "the engine failed while running this request").body())
                         break
-                if out.text or out.finish_reason is not None:
+                if out.token_ids or out.text or out.finish_reason is not None:  # a chunk per step
                     for piece in chunk(i, out.text, out.finish_reason):
                         yield sse(piece)
             else:
