@@ -47,66 +47,76 @@ def chat_renderer(template: str):
 
 
 class _Request:
-    """One prompt in flight: the engine's outputs, queued for the event loop."""
+    """One prompt in flight: the engine's outputs, queued for the event loop, and what they add up to."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
         self.id: str | None = None
-        self.done = False
+        self.text, self.tokens, self.prompt, self.cached = "", 0, 0, 0
+        self.finish: str | None = None
 
     def __call__(self, output: Output) -> None:  # on the engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
 
-def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
-    tokenizer = engine.tokenizer
-    render = None if tokenizer is None else chat_renderer(chat_template or DEFAULT_CHAT_TEMPLATE.read_text())
-    app = FastAPI(title="maxlm.serve", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    def take(self, out: Output) -> None:
+        self.text += out.text
+        self.tokens, self.prompt, self.cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
+        self.finish = out.finish_reason
 
-    def error(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
 
-    def authorized(request: Request) -> None:
-        """The /v1 routes' guard (a dependency, not a middleware: Starlette's HTTP middleware
-        would hide a client's disconnect from the route)."""
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                               code="invalid_api_key")
+def usage(handles: list[_Request]) -> dict:
+    prompt, completion = sum(h.prompt for h in handles), sum(h.tokens for h in handles)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(h.cached for h in handles)}}
 
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, err: APIError):
-        return error(err)
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=503 if engine.draining else 200)
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "maxlm", "max_model_len": engine.cfg.max_seq_len}]}
+async def json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON ({getattr(err, 'msg', err)})") from None
 
-    async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"the request body is not valid JSON ({getattr(err, 'msg', err)})") from None
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+def completion_chunks(base: dict, i: int | None, text: str, finish: str | None) -> list[dict]:
+    """The SSE chunks of /v1/completions for one output of prompt ``i`` (None: the opening, none)."""
+    if i is None:
+        return []
+    return [{**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}]
 
-    def encode(prompt: Any) -> list[list[int]]:
+
+def chat_chunks(base: dict, i: int | None, text: str, finish: str | None) -> list[dict]:
+    """The SSE chunks of /v1/chat/completions: an opening one naming the role, then deltas."""
+    if i is None:
+        delta, i = {"role": "assistant", "content": ""}, 0
+    else:
+        delta = {"content": text} if text else {}
+    return [{**base, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}]
+
+
+class _Server:
+    """What the routes share: the engine, the model's name, its tokenizer and chat template."""
+
+    def __init__(self, engine: Engine, model_name: str, chat_template: str | None):
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.render = None if self.tokenizer is None else chat_renderer(
+            chat_template or DEFAULT_CHAT_TEMPLATE.read_text())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def encode(self, prompt: Any) -> list[list[int]]:
+        """A prompt field (text, token ids, or a list of either) as token-id prompts, bos first."""
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         if not prompt:
@@ -114,16 +124,25 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         out = []
         for p in prompt:
             if isinstance(p, str):
-                if tokenizer is None:
+                if self.tokenizer is None:
                     raise APIError(400, "this model has no tokenizer: send token ids as the prompt", "prompt")
-                p = [int(t) for t in tokenizer.encode(p, add_bos=True, add_eos=False)]
+                p = [int(t) for t in self.tokenizer.encode(p, add_bos=True, add_eos=False)]
             out.append(list(p))
         return out
 
-    def submit(prompts: list[list[int]], req, max_tokens: int, loop) -> list[_Request]:
+    def chat_prompt(self, req: ChatRequest) -> str:
+        if self.render is None:
+            raise APIError(400, "this model has no tokenizer, so chat messages cannot be encoded", "messages")
+        try:
+            return self.render([{"role": m.role, "content": m.text()} for m in req.messages])
+        except jinja2.TemplateError as err:
+            raise APIError(400, f"the chat template cannot render these messages ({err})", "messages") from None
+
+    def submit(self, prompts: list[list[int]], req, max_tokens: int | None) -> list[_Request]:
+        """Queue every prompt, or none: an engine refusal aborts those already queued."""
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens = {max_tokens} must be >= 1", "max_tokens")
-        handles = []
+        engine, loop, handles = self.engine, asyncio.get_running_loop(), []
         try:
             for prompt in prompts:
                 limit = max_tokens if max_tokens is not None else engine.cfg.max_seq_len - len(prompt)
@@ -131,8 +150,7 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                 handle.id = engine.submit(prompt, req.params(limit), handle, request_id=uuid.uuid4().hex)
                 handles.append(handle)
         except (RequestError, QueueFull, Draining) as err:
-            for h in handles:
-                engine.abort(h.id)
+            self.abort(handles)
             if isinstance(err, RequestError):
                 raise APIError(400, str(err), err.param) from None
             if isinstance(err, QueueFull):
@@ -140,42 +158,30 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
             raise APIError(503, str(err)) from None
         return handles
 
-    async def collect(request: Request, handles: list[_Request]) -> list[dict]:
+    def abort(self, handles: list[_Request]) -> None:
+        for h in handles:
+            if not h.done:
+                self.engine.abort(h.id)
+
+    async def collect(self, request: Request, handles: list[_Request]) -> list[_Request]:
         """Wait for every prompt's last output; abort all when the client goes away."""
-        results = [{"text": "", "tokens": 0, "finish": None, "prompt": 0, "cached": 0} for _ in handles]
         try:
-            for r, handle in zip(results, handles):
+            for handle in handles:
                 while not handle.done:
                     try:
-                        out = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
+                        handle.take(await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S))
                     except TimeoutError:
                         if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
                             raise APIError(499, "the client closed the connection") from None
-                        continue
-                    r["text"] += out.text
-                    r["tokens"], r["prompt"], r["cached"] = out.completion_tokens, out.prompt_tokens, out.cached_tokens
-                    if out.finish_reason is not None:
-                        r["finish"], handle.done = out.finish_reason, True
         finally:
-            for h in handles:
-                if not h.done:
-                    engine.abort(h.id)
-        if any(r["finish"] == "error" for r in results):
+            self.abort(handles)
+        if any(h.finish == "error" for h in handles):
             raise APIError(500, "the engine failed while running this request (see the server log)")
-        return results
+        return handles
 
-    def usage(results: list[dict]) -> dict:
-        prompt, completion = sum(r["prompt"] for r in results), sum(r["tokens"] for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(r["cached"] for r in results)}}
-
-    def sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def stream(handles: list[_Request], chunk, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per output of any prompt, then usage (if asked) and [DONE].
-        Cancelled when the client disconnects; the ``finally`` aborts what is still running."""
-        results = [{"text": "", "tokens": 0, "finish": None, "prompt": 0, "cached": 0} for _ in handles]
+    async def stream(self, handles: list[_Request], chunks, base: dict, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per engine step of any prompt, then usage (if asked) and
+        [DONE]. Cancelled when the client disconnects; the ``finally`` aborts what still runs."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, handle):
@@ -186,83 +192,90 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                     return
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         try:
-            for head in chunk(None, None, None):
+            for head in chunks(base, None, "", None):
                 yield sse(head)
-            left = len(handles)
-            while left:
+            while not all(h.done for h in handles):
                 i, out = await merged.get()
-                r = results[i]
-                r["tokens"], r["prompt"], r["cached"] = out.completion_tokens, out.prompt_tokens, out.cached_tokens
-                if out.finish_reason is not None:
-                    handles[i].done, left = True, left - 1
-                    if out.finish_reason == "error":
-                        yield sse(APIError(500, "the engine failed while running this request").body())
-                        break
+                handles[i].take(out)
+                if out.finish_reason == "error":
+                    yield sse(APIError(500, "the engine failed while running this request").body())
+                    return
                 if out.token_ids or out.text or out.finish_reason is not None:  # a chunk per step
-                    for piece in chunk(i, out.text, out.finish_reason):
+                    for piece in chunks(base, i, out.text, out.finish_reason):
                         yield sse(piece)
-            else:
-                if include_usage:
-                    yield sse(chunk(None, None, None, usage=usage(results)))
-                yield "data: [DONE]\n\n"
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(handles)})
+            yield "data: [DONE]\n\n"
         finally:
             for p in pumps:
                 p.cancel()
-            for h in handles:
-                if not h.done:
-                    engine.abort(h.id)
+            self.abort(handles)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+
+def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    server = _Server(engine, model_name, chat_template)
+    app = FastAPI(title="maxlm.serve", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    def authorized(request: Request) -> None:
+        """The /v1 routes' guard (a dependency, not a middleware: Starlette's HTTP middleware
+        would hide a client's disconnect from the route)."""
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+    guarded = [Depends(authorized)]
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if engine.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "maxlm", "max_model_len": engine.cfg.max_seq_len}]}
+
+    async def answer(request: Request, req, prompts: list[list[int]], max_tokens: int | None, kind: str):
+        """Run ``prompts`` and answer as ``kind`` ("text_completion" or "chat.completion")."""
+        handles = server.submit(prompts, req, max_tokens)
+        rid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        base = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name}
+        if req.stream:
+            chunks = completion_chunks if kind == "text_completion" else chat_chunks
+            if kind != "text_completion":
+                base["object"] = "chat.completion.chunk"
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(server.stream(handles, chunks, base, include), media_type="text/event-stream")
+        done = await server.collect(request, handles)
+        if kind == "text_completion":
+            choices = [{"index": i, "text": h.text, "logprobs": None, "finish_reason": h.finish}
+                       for i, h in enumerate(done)]
+        else:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": done[0].text}, "logprobs": None,
+                        "finish_reason": done[0].finish}]
+        return {**base, "choices": choices, "usage": usage(done)}
+
+    @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
-        req = parse(CompletionRequest, await body_of(request))
-        check_model(req.model)
-        handles = submit(encode(req.prompt), req, req.max_tokens, asyncio.get_running_loop())
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
-        if req.stream:
-            def chunk(i, text, finish, usage=None):
-                if usage is not None:
-                    return {**base, "choices": [], "usage": usage}
-                if i is None:
-                    return []
-                return [{**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}]
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(handles, chunk, include), media_type="text/event-stream")
-        results = await collect(request, handles)
-        return {**base, "choices": [{"index": i, "text": r["text"], "logprobs": None, "finish_reason": r["finish"]}
-                                    for i, r in enumerate(results)], "usage": usage(results)}
+        req = parse(CompletionRequest, await json_body(request))
+        server.check_model(req.model)
+        return await answer(request, req, server.encode(req.prompt), req.max_tokens, "text_completion")
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(request: Request):
-        req = parse(ChatRequest, await body_of(request))
-        check_model(req.model)
-        if render is None:
-            raise APIError(400, "this model has no tokenizer, so chat messages cannot be encoded", "messages")
-        try:
-            text = render([{"role": m.role, "content": m.text()} for m in req.messages])
-        except jinja2.TemplateError as err:
-            raise APIError(400, f"the chat template cannot render these messages ({err})", "messages") from None
+        req = parse(ChatRequest, await json_body(request))
+        server.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        handles = submit(encode(text), req, max_tokens, asyncio.get_running_loop())
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name}
-
-            def chunk(i, text, finish, usage=None):
-                if usage is not None:
-                    return {**base, "choices": [], "usage": usage}
-                if i is None:  # the opening chunk names the role
-                    return [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]}]
-                delta = {"content": text} if text else {}
-                return [{**base, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                              "finish_reason": finish}]}]
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(handles, chunk, include), media_type="text/event-stream")
-        results = await collect(request, handles)
-        r = results[0]
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]}, "logprobs": None,
-                             "finish_reason": r["finish"]}], "usage": usage(results)}
+        return await answer(request, req, server.encode(server.chat_prompt(req)), max_tokens, "chat.completion")
 
     return app
