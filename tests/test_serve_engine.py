@@ -179,7 +179,8 @@ def test_bad_requests_are_refused_with_the_field(llama):
     cfg, params = llama
     engine = Engine(cfg, params, config=EngineConfig(max_num_seqs=2, block_size=8, max_queue=2))
     cases = [([], {}, "prompt"), (list(range(128)), {}, "prompt"), ([1, 2], {"max_tokens": 0}, "max_tokens"),
-             ([1] * 100, {"max_tokens": 29}, "max_tokens"), ([300], {}, "prompt")]
+             ([1] * 100, {"max_tokens": 29}, "max_tokens"), ([300], {}, "prompt"),
+             ([1, 2], {"temperature": -1.0}, "temperature"), ([1, 2], {"top_p": 0.0}, "top_p")]
     for prompt, params_, field in cases:
         with pytest.raises(RequestError) as err:
             engine.submit(prompt, RequestParams(**params_), lambda o: None)

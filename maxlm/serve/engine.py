@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxlm.config import ModelConfig
 from maxlm.infer.generate import mesh_of
-from maxlm.infer.sampling import mask_vocab, pick_rows
+from maxlm.infer.sampling import SamplingParams, mask_vocab, pick_rows
 from maxlm.infer.text import safe_end
 from maxlm.model import forward
 from maxlm.serve.blocks import BlockManager, OutOfBlocks
@@ -151,7 +151,6 @@ class _Seq:
     sent_text: int = 0  # characters of the completion already handed out
     sent_tokens: int = 0
     first_token: float | None = None
-    finish: str | None = None
 
     @property
     def output(self) -> list[int]:
@@ -212,7 +211,6 @@ class Engine:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._pool_sharding)
         self.pool_k, self.pool_v = zeros(), zeros()
         self._forward, self._copy = _jitted(cfg, bs, self._pool_sharding, self._replicated)
-        self.shapes: set[tuple] = set()  # (kind, rows, width, table width) that ran: one compile each
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.metrics = metrics or Metrics()
 
@@ -247,6 +245,9 @@ class Engine:
                                f"tokens, which leaves room for at most {cfg.max_seq_len - 1}", "prompt")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
             raise RequestError(f"the prompt holds token ids outside [0, {cfg.vocab_size})", "prompt")
+        problem = SamplingParams(params.temperature, params.top_k, params.top_p).problem()
+        if problem:
+            raise RequestError(problem, problem.split(" ", 1)[0])
         if params.max_tokens < 1:
             raise RequestError(f"max_tokens = {params.max_tokens} must be >= 1", "max_tokens")
         if params.max_tokens > cfg.max_seq_len - len(prompt):
@@ -401,7 +402,6 @@ class Engine:
             p = seq.params
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seeds[i], counts[i] = seq.seed, len(seq.tokens) - seq.prompt_len
-        self.shapes.add((kind, batch, width, table_w))
         args = jax.device_put((tokens, positions, valid, tables, lengths, last, temperature, top_k, top_p, seeds,
                                counts), self._replicated)
         with jax.set_mesh(self.mesh):
@@ -525,13 +525,14 @@ class Engine:
             finish = "stop"
         elif n >= seq.limit:
             finish = "length"
-        if finish is None and seq.params.stop and self._text(seq)[1]:
+        text, stopped = self._text(seq)  # decoded once per step, for the stop check and the stream
+        if finish is None and stopped:
             finish = "stop"
         if finish is not None:
             self.running.remove(seq)
-            self._finish(seq, finish)
+            self._finish(seq, finish, text)
         else:
-            self._emit(seq, None)
+            self._emit(seq, None, text)
 
     def _text(self, seq: _Seq) -> tuple[str, bool]:
         """(the completion so far, ended before a stop token or the first stop string; whether a
@@ -539,12 +540,14 @@ class Engine:
         out = seq.output
         if out and out[-1] in seq.stop_ids:
             out = out[:-1]
-        text = self.tokenizer.decode(np.asarray(out, np.int32)) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(np.asarray(out, np.int32))
         cut = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         return (text[:min(cut)], True) if cut else (text, False)
 
-    def _emit(self, seq: _Seq, finish: str | None) -> None:
-        text = self._text(seq)[0]
+    def _emit(self, seq: _Seq, finish: str | None, text: str | None = None) -> None:
+        text = self._text(seq)[0] if text is None else text
         end = len(text) if finish is not None else safe_end(text, seq.params.stop)
         out = seq.output
         new_tokens = out[seq.sent_tokens:]
@@ -555,8 +558,7 @@ class Engine:
         except Exception:  # a client's callback must not stop the engine
             log.exception("request %s: output callback failed", seq.id)
 
-    def _finish(self, seq: _Seq, reason: str) -> None:
-        seq.finish = reason
+    def _finish(self, seq: _Seq, reason: str, text: str | None = None) -> None:
         self.blocks.release(seq.blocks)
         seq.blocks = []
         n = len(seq.output)
@@ -564,7 +566,7 @@ class Engine:
             self.metrics.tpot.observe((time.monotonic() - seq.first_token) / (n - 1))
         self.metrics.finished.labels(reason).inc()
         self.metrics.prompt_tokens.inc(seq.prompt_len)
-        self._emit(seq, reason)
+        self._emit(seq, reason, text)
 
     def _account(self) -> None:
         """KV memory use this step: slots of allocated blocks, and those holding a real token."""
