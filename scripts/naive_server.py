@@ -118,6 +118,40 @@ class Engine:
             kwargs["eos_token_id"] = self.eos
         return kwargs
 
+    async def pieces(self, kwargs: dict, streamer, cancel: threading.Event):
+        """Yields (text, end) from the streamer: one per generated token (end False), then the
+        remainder its end() flushes (end True). Waits for the lock first; the generation
+        thread releases it when generate returns."""
+        await self.lock.acquire()
+        loop = asyncio.get_running_loop()
+        failed: list[BaseException] = []
+
+        def target():
+            try:
+                self.model.generate(**kwargs)
+            except BaseException as err:  # noqa: BLE001 - reported to the request
+                failed.append(err)
+                streamer.text_queue.put(streamer.stop_signal)
+            finally:
+                loop.call_soon_threadsafe(self.lock.release)
+
+        try:
+            threading.Thread(target=target, daemon=True).start()
+        except BaseException:
+            self.lock.release()
+            raise
+        try:
+            pieces = iter(streamer)
+            while True:
+                piece = await asyncio.to_thread(next, pieces, None)
+                if piece is None:
+                    break
+                yield piece
+        finally:
+            cancel.set()  # a client that went away stops the generation at its next token
+        if failed:
+            raise RuntimeError(f"generate failed: {type(failed[0]).__name__}: {failed[0]}")
+
 
 def make_app(engine: Engine):
     from fastapi import FastAPI, Request
@@ -176,46 +210,12 @@ def make_app(engine: Engine):
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
 
-        async def run():
-            """Yields (text, end) from the streamer: one per generated token (end False), then the
-            remainder its end() flushes (end True). Waits for the lock first; the generation
-            thread releases it when generate returns."""
-            await engine.lock.acquire()
-            loop = asyncio.get_running_loop()
-            failed: list[BaseException] = []
-
-            def target():
-                try:
-                    engine.model.generate(**kwargs)
-                except BaseException as err:  # noqa: BLE001 - reported to the request
-                    failed.append(err)
-                    streamer.text_queue.put(streamer.stop_signal)
-                finally:
-                    loop.call_soon_threadsafe(engine.lock.release)
-
-            try:
-                threading.Thread(target=target, daemon=True).start()
-            except BaseException:
-                engine.lock.release()
-                raise
-            try:
-                pieces = iter(streamer)
-                while True:
-                    piece = await asyncio.to_thread(next, pieces, None)
-                    if piece is None:
-                        break
-                    yield piece
-            finally:
-                cancel.set()  # a client that went away stops the generation at its next token
-            if failed:
-                raise RuntimeError(f"generate failed: {type(failed[0]).__name__}: {failed[0]}")
-
         def usage(n: int) -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         if not stream:
             try:
-                pieces = [p async for p in run()]
+                pieces = [p async for p in engine.pieces(kwargs, streamer, cancel)]
             except RuntimeError as err:
                 return error(str(err), 500)
             n = sum(not end for _, end in pieces)
@@ -227,7 +227,7 @@ def make_app(engine: Engine):
         async def events():
             n = 0
             try:
-                async for text, end in run():
+                async for text, end in engine.pieces(kwargs, streamer, cancel):
                     if end:  # the streamer's remainder: no token of its own; the last choice chunk
                         yield chunk(text, "length" if n >= max_tokens else "stop")
                     else:
