@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "maxlm"
 # Lowest first; packages on one level do not import each other.
-LEVELS = [("config", "rules"), ("parallel",), ("model",), ("data",), ("infer",), ("eval",), ("train",),
-          ("hf", "plan", "quant", "posttrain", "serve")]
+LEVELS = [("config", "rules"), ("parallel",), ("model",), ("data",), ("infer",), ("eval",), ("train",), ("quant",),
+          ("hf", "plan", "posttrain", "serve")]
 ENTRY_POINTS = ("__main__.py", "cli.py")
 TOP_LEVEL_COMMANDS = ("generate",)  # maxlm/generate.py: ``python -m maxlm.generate``
 RANK = {name: i for i, level in enumerate(LEVELS) for name in level}
