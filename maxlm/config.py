@@ -465,9 +465,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
                           f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
     _check_eval_tasks(src, t.eval_tasks)
-    if m.attention_impl == "pallas":
-        raise ConfigError(f"{src}: ModelConfig.attention_impl = 'pallas' is not available yet "
-                          "(the Pallas kernels arrive with the kernels issue); use 'xla' or 'cudnn'")
     if num_devices is None:
         return
     import jax  # late import: the config module stays importable without initialising devices

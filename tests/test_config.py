@@ -62,7 +62,6 @@ BAD = [
     (["ModelConfig.n_kv_heads = 3"], 8, "ModelConfig.n_heads = 4 is not divisible by ModelConfig.n_kv_heads = 3"),
     (["MeshConfig.data = 1", "MeshConfig.pipeline = 8"], 8,
      "ModelConfig.n_layers = 4 is not divisible by MeshConfig.pipeline * MeshConfig.pipeline_repeats = 8*1 = 8"),
-    (["ModelConfig.attention_impl = 'pallas'"], 8, "'pallas' is not available yet"),
     (["ModelConfig.attention_impl = 'cudnn'"], 8, "'cudnn' needs NVIDIA GPUs, but this run's devices are cpu"),
     (["ModelConfig.norm = 'batch'"], 8, "ModelConfig.norm = 'batch' is not one of rms, layer"),
     (["TrainConfig.seq_len = 512"], 8, "TrainConfig.seq_len = 512 exceeds ModelConfig.max_seq_len = 128"),
