@@ -10,12 +10,18 @@ from pathlib import Path
 ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [p for p in sys.path if p not in ("", ".", ROOT)] + [ROOT]
 
+# MAXLM_TEST_ON_GPU=1 (scripts/gpu_check.sh) runs the kernel tests compiled on the GPU instead.
+ON_GPU = os.environ.get("MAXLM_TEST_ON_GPU") == "1"
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not ON_GPU:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 
 
 def pytest_configure(config):
+    if ON_GPU:
+        assert jax.default_backend() == "gpu", "MAXLM_TEST_ON_GPU=1 but jax sees no GPU"
+        return
     assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"
