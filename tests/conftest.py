@@ -25,3 +25,13 @@ def pytest_configure(config):
         assert jax.default_backend() == "gpu", "MAXLM_TEST_ON_GPU=1 but jax sees no GPU"
         return
     assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:  # only the kernels' own tests run there; the rest needs the CPU mesh
+        import pytest
+
+        skip = pytest.mark.skip(reason="cpu_only: needs the 8 fake CPU devices")
+        for item in items:
+            if "cpu_only" in item.keywords:
+                item.add_marker(skip)
