@@ -57,7 +57,9 @@ done
 case "$port" in ''|*[!0-9]*) die "--port '$port' is not a number" ;; esac
 dir="$(cd "$dir" && pwd)"
 
-# The Python with vLLM.
+# The Python with vLLM. PYTHONSAFEPATH keeps the working directory off its sys.path: run from a
+# maxlm checkout, our kernels/ folder would shadow the PyPI `kernels` package transformers imports.
+export PYTHONSAFEPATH=1
 peer="${MAXLM_PEER_ENVS:-$HOME/.cache/maxlm/peer-envs}/vllm/bin/python"
 if [ -n "${VLLM_PYTHON:-}" ]; then py="$VLLM_PYTHON"
 elif [ -x "$peer" ]; then py="$peer"

@@ -13,6 +13,13 @@ ROOT = Path(os.environ.get("MAXLM_PEER_ENVS", "~/.cache/maxlm/peer-envs")).expan
 IMPORTS = {"vllm": "vllm", "lmeval": "lm_eval"}
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment a peer runs in: ours plus PYTHONSAFEPATH, so a peer started from this
+    checkout does not import our top-level ``kernels/`` folder in place of the PyPI ``kernels``
+    package that transformers imports."""
+    return {**os.environ, "PYTHONSAFEPATH": "1", **extra}
+
+
 def peer_python(name: str) -> Path | None:
     """The python of peer environment ``name`` ('vllm' or 'lmeval') if it is built, else None."""
     python = ROOT / name / "bin" / "python"

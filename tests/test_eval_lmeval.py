@@ -21,7 +21,7 @@ import pytest
 
 from maxlm import config, model
 from maxlm.data import get_tokenizer
-from tests.peer_envs import require_peer
+from tests.peer_envs import peer_env, require_peer
 
 MC = Path(__file__).parent / "fixtures" / "eval" / "mc.jsonl"
 TOLERANCE = 1e-3  # nats per choice; fp32 on both sides, measured ~2e-5
@@ -57,13 +57,13 @@ def run_lm_eval(python: Path, hf_dir: Path, tmp: Path, shots: list[int]) -> dict
     for k, name in names.items():
         (tasks / f"{name}.yaml").write_text(YAML.format(name=name, data=MC, shots=k))
     out = tmp / "lmeval_out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf_home"),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = peer_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp / "hf_home"),
+                   TOKENIZERS_PARALLELISM="false")
     cmd = [str(python), "-m", "lm_eval", "--model", "hf",
            "--model_args", f"pretrained={hf_dir},dtype=float32,add_bos_token=True",
            "--tasks", ",".join(names.values()), "--include_path", str(tasks), "--device", "cpu",
            "--batch_size", "8", "--log_samples", "--output_path", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(Path(glob.glob(str(out / "*" / "results_*.json"))[0]).read_text())["results"]
     got = {}
