@@ -14,7 +14,13 @@ the keys it can see under causality and the window, so the masked half of the [T
 never computed (about 2x faster fwd+bwd at T=1024, 4x with a 128-token window, on CPU).
 ``cudnn`` goes through ``jax.nn.dot_product_attention``: training and prefill hand it its native
 causal mask (and sliding window) plus the document mask; decode hands it the positional mask.
-``pallas`` arrives with the kernels issue. Grouped-query attention is native: k and v carry
+``pallas`` is the flash attention kernel (``maxlm.kernels.flash_attention``: online softmax,
+causal / window / document block skipping, GQA read in place) for self-attention: training and
+prefill without a cache. Attention over a cache (decode, a prefill into a cache) falls back to
+the ``xla`` path: one query row against a cache is a decode-shaped problem the training kernel
+does not target. The kernel runs under ``shard_map`` at one call site (``_on_mesh``), batch over
+the mesh axes the rules give "batch" and heads over those of "heads", so it works under any mesh;
+compiled on GPU, interpret mode elsewhere. Grouped-query attention is native: k and v carry
 fewer heads than q.
 """
 
@@ -27,6 +33,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from maxlm.kernels.flash_attention import flash_attention
+from maxlm.rules import mesh_axes
 
 # As jax.nn.dot_product_attention: a finite large negative, so no row is ever all -inf.
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -175,7 +185,40 @@ def _cudnn(q, k, v, queries, keys, sliding_window, self_attention):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
 
-IMPLS = {"xla": _xla, "cudnn": _cudnn}
+def _on_mesh(fn, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
+    """fn(q, k, v, segments) per shard: the one shard_map around the Pallas kernel. Batch splits
+    over the axes of "batch" and heads over those of "heads" (maxlm.rules), each only where the
+    size divides (else that dimension is replicated); a kernel sees whole sequences and whole kv
+    groups, so its shards need no communication. Without a mesh, or on one device, fn runs as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(q, k, v, segments)
+    manual = set(mesh.manual_axes)  # already split by an enclosing shard_map
+
+    def axes(name: str, *sizes: int) -> tuple[str, ...] | None:
+        names = tuple(a for a in mesh_axes(name) if a not in manual and mesh.shape[a] > 1)
+        degree = math.prod(mesh.shape[a] for a in names)
+        return names if names and all(size % degree == 0 for size in sizes) else None
+
+    batch, heads = axes("batch", q.shape[0]), axes("heads", q.shape[2], k.shape[2])
+    # Manual over every axis not already manual (a pipeline's vmap adds its stage axis to the
+    # specs, which needs it manual). vma checks are off: pallas_call's outputs cannot declare
+    # their variance across jax 0.10-0.12. Gradients stay exact without them: over an axis the
+    # specs leave out, every shard computes the same values, and the transpose divides the
+    # output cotangent by the axis size and sums the input cotangents back over it.
+    qkv, seg = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None)
+    return jax.shard_map(fn, in_specs=(qkv, qkv, qkv, seg), out_specs=qkv, check_vma=False,
+                         axis_names=set(mesh.axis_names) - manual)(q, k, v, segments)
+
+
+def _pallas(q, k, v, queries, keys, sliding_window, self_attention):
+    if not self_attention:  # over a cache: see the module docstring
+        return _xla(q, k, v, queries, keys, sliding_window, self_attention)
+    kernel = functools.partial(flash_attention, causal=True, sliding_window=sliding_window)
+    return _on_mesh(kernel, q, k, v, queries.segments)
+
+
+IMPLS = {"xla": _xla, "cudnn": _cudnn, "pallas": _pallas}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: Tokens, keys: Tokens | None = None,
