@@ -23,7 +23,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 # Implementations of the linear seam (maxlm.model.linear registers one function per name).
-LINEAR_IMPLS = ("dense",)
+LINEAR_IMPLS = ("dense", "int8", "int4")
+# The weight-only quantized ones (packed ``qweight`` + ``scales``), also open to the embedding.
+QUANT_IMPLS = ("int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,23 @@ class ModelConfig:
     # The implementation behind every weight matmul (maxlm.model.linear); LoRA and quantized
     # variants register there under their own names.
     linear: str = "dense"
+    # Per-Linear overrides of ``linear``: (regex, implementation) pairs; the first regex that
+    # re.search-es a Linear's path wins. Paths drop the layer stack's prefix, so a rule covers
+    # every layer alike: attn/q_proj, attn/k_proj, attn/v_proj, attn/o_proj, mlp/gate_proj,
+    # mlp/up_proj, mlp/down_proj, lm_head (see ``linear_inputs``). E.g. (("mlp/", "int8"),).
+    linear_rules: tuple[tuple[str, str], ...] = ()
+    quant_group: int = 128  # int4: inputs per scale (a multiple of 8 dividing each quantized input)
+    int8_group: int = 0  # int8: inputs per scale; 0 is one scale per output channel
+    # The token embedding's storage: dense, or int8/int4 rows dequantized at lookup (stored as the
+    # transposed table in the Linear format, so a tied LM head is that quantized Linear).
+    embedding: str = "dense"
+
+    def __post_init__(self):
+        # gin writes lists where Python writes tuples: keep the frozen config hashable.
+        rules = self.linear_rules
+        if isinstance(rules, list) or (isinstance(rules, tuple) and any(isinstance(r, list) for r in rules)):
+            object.__setattr__(self, "linear_rules",
+                               tuple(tuple(r) if isinstance(r, list) else r for r in rules))
 
     @property
     def kv_heads(self) -> int:
@@ -78,6 +97,28 @@ class ModelConfig:
     @property
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def linear_inputs(self) -> dict[str, tuple[str, int, str]]:
+        """Every Linear's path (as ``linear_rules`` match it) -> (the field that sets its input size,
+        that size, the logical name of its first input axis); a test checks it against the model."""
+        d = ("ModelConfig.d_model", self.d_model, "embed")
+        out = {"attn/q_proj": d, "attn/k_proj": d, "attn/v_proj": d,
+               "attn/o_proj": ("ModelConfig.n_heads * head_dim", self.n_heads * self.dim_per_head, "heads")}
+        if self.activation == "swiglu":
+            out["mlp/gate_proj"] = d
+        out.update({"mlp/up_proj": d, "mlp/down_proj": ("ModelConfig.d_ff", self.d_ff, "mlp"), "lm_head": d})
+        return out
+
+    def linear_impl(self, path: str) -> str:
+        """The implementation of the Linear at ``path``: the first matching rule's, else ``linear``."""
+        for pattern, impl in self.linear_rules:
+            if re.search(pattern, path):
+                return impl
+        return self.linear
+
+    def quant_group_of(self, impl: str, n_in: int) -> int:
+        """Inputs per scale of a quantized weight with ``n_in`` inputs."""
+        return self.quant_group if impl == "int4" else (self.int8_group or n_in)
 
     def logical_sizes(self) -> dict[str, tuple[str, int]]:
         """The size of every logical weight axis (``maxlm.rules``), with the field that sets it.
@@ -204,6 +245,9 @@ class TrainConfig:
     sample_tokens: int = 200  # length of the text sample printed at the end; 0 skips it
     run_dir: str = "runs/default"
     init_params: str = ""  # start from these parameters (e.g. from `maxlm.hf import`) instead of random
+    # Warm start: a run directory (its newest good checkpoint) or RUN_DIR/checkpoints/STEP whose
+    # parameters initialise a fresh run (step 0, new optimizer state), e.g. a pruned model.
+    init_from: str = ""
     # Bad steps: a non-finite loss or gradient is always skipped. A spike above the rolling mean by
     # more than spike_sigmas standard deviations (of loss or grad norm) is skipped too; 0 turns it off.
     spike_sigmas: float = 0.0
@@ -314,7 +358,8 @@ def _choice(src: str, field: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{src}: {field} = {value!r} is not one of {', '.join(allowed)}")
 
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+          "tuple[tuple[str, str], ...]": (tuple,)}
 
 
 def _check_types(cfg: Config) -> None:
@@ -335,7 +380,8 @@ RANGES: dict[str, tuple[float, float, str]] = {
         "vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "norm_eps",
         "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "init_std")},
     **{f"ModelConfig.{f}": (0, math.inf, ">= 0") for f in (
-        "n_kv_heads", "head_dim", "rope_scaling_factor", "sliding_window")},
+        "n_kv_heads", "head_dim", "rope_scaling_factor", "sliding_window", "int8_group")},
+    "ModelConfig.quant_group": (0, math.inf, "positive"),
     **{f"MeshConfig.{f}": (0, math.inf, "positive") for f in ("pipeline_microbatches", "pipeline_repeats")},
     **{f"OptimConfig.{f}": (0, math.inf, "positive") for f in ("learning_rate", "microbatches")},
     **{f"OptimConfig.{f}": (0, math.inf, ">= 0") for f in ("warmup_steps", "eps", "weight_decay", "grad_clip")},
@@ -431,6 +477,65 @@ def _check_eval_tasks(src: str, value: str) -> None:
                               f"(e.g. {entry!r}); each needs its own name for its metrics")
 
 
+def _check_linear_rules(src: str, rules: tuple) -> None:
+    """Each ModelConfig.linear_rules entry a (regex, implementation) pair that compiles."""
+    for i, rule in enumerate(rules):
+        where = f"ModelConfig.linear_rules[{i}]"
+        if not (isinstance(rule, tuple) and len(rule) == 2 and all(isinstance(x, str) for x in rule)):
+            raise ConfigError(f"{src}: {where} = {rule!r} should be a (regex, implementation) pair of strings")
+        try:
+            re.compile(rule[0])
+        except re.error as err:
+            raise ConfigError(f"{src}: {where}: regex {rule[0]!r} does not compile ({err})") from None
+        _choice(src, f"{where} implementation", rule[1], LINEAR_IMPLS)
+
+
+def quant_problem(m: ModelConfig) -> str | None:
+    """What keeps the quantized Linears (and embedding) of ``m`` from their format, or None: the
+    INT4 group a positive multiple of 8 (8 values per int32), and each group dividing its input."""
+    if m.quant_group % 8:
+        return f"ModelConfig.quant_group = {m.quant_group} must be a positive multiple of 8"
+    inputs = {path: (field, size) for path, (field, size, _) in m.linear_inputs().items()}
+    if m.tie_embeddings:
+        head = m.linear_impl("lm_head")
+        if head in QUANT_IMPLS and head != m.embedding:
+            return (f"ModelConfig.tie_embeddings: the LM head is the embedding table, so it is stored as "
+                    f"ModelConfig.embedding = {m.embedding!r}, not {head!r} (from linear/linear_rules); "
+                    "set ModelConfig.embedding")
+        del inputs["lm_head"]
+    if m.embedding in QUANT_IMPLS:
+        inputs["embedding"] = ("ModelConfig.d_model", m.d_model)
+    for path, (field, size) in inputs.items():
+        impl = m.embedding if path == "embedding" else m.linear_impl(path)
+        if impl not in QUANT_IMPLS:
+            continue
+        group = m.quant_group_of(impl, size)
+        if size % group:
+            name = "quant_group" if impl == "int4" else "int8_group"
+            return (f"ModelConfig.{name} = {group} does not divide the input size of {path} ({impl}): "
+                    f"{field} = {size}")
+    return None
+
+
+def quant_mesh_problem(m: ModelConfig, degrees: dict[str, int]) -> str | None:
+    """An INT4 weight packs 8 inputs per int32, so its packed input axis (split as the Linear's
+    first input axis) must divide by that axis' mesh degree too; None if every one does."""
+    inputs = dict(m.linear_inputs())
+    if m.tie_embeddings:
+        del inputs["lm_head"]
+    rows = [(path, field, size, name) for path, (field, size, name) in inputs.items()
+            if m.linear_impl(path) == "int4"]
+    if m.embedding == "int4":
+        rows.append(("embedding", "ModelConfig.d_model", m.d_model, "embed"))
+    for path, field, size, name in rows:
+        axes = rules.mesh_axes(name)
+        split = math.prod(degrees[a] for a in axes)
+        if (size // 8) % split:
+            return (f"{path} (int4) packs {field} = {size} inputs into {size // 8} int32 rows, which "
+                    f"{'*'.join(f'MeshConfig.{a}' for a in axes)} = {split} does not divide")
+    return None
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject inconsistent settings before anything compiles; each failure is one line."""
     _check_types(cfg)
@@ -441,6 +546,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "ModelConfig.remat", m.remat, ("none", "full", "save_dots", "save_named"))
     _choice(src, "ModelConfig.attention_impl", m.attention_impl, ("xla", "cudnn", "pallas"))
     _choice(src, "ModelConfig.linear", m.linear, LINEAR_IMPLS)
+    _choice(src, "ModelConfig.embedding", m.embedding, ("dense",) + QUANT_IMPLS)
+    _check_linear_rules(src, m.linear_rules)
     for field in ("dtype", "param_dtype"):
         _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
@@ -452,6 +559,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.n_heads % m.kv_heads:
         raise ConfigError(f"{src}: ModelConfig.n_heads = {m.n_heads} is not divisible by "
                           f"ModelConfig.n_kv_heads = {m.kv_heads}")
+    problem = quant_problem(m)
+    if problem:
+        raise ConfigError(f"{src}: {problem}")
     if m.position == "rope" and m.dim_per_head % 2:
         raise ConfigError(f"{src}: rope needs an even head dimension, got {m.dim_per_head}")
     if t.seq_len > m.max_seq_len:
@@ -465,6 +575,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
                           f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
     _check_eval_tasks(src, t.eval_tasks)
+    if t.init_from and t.init_params:
+        raise ConfigError(f"{src}: TrainConfig.init_from = {t.init_from!r} and TrainConfig.init_params = "
+                          f"{t.init_params!r} both name the starting parameters; set one")
+    if t.init_from != t.init_from.strip():
+        raise ConfigError(f"{src}: TrainConfig.init_from = {t.init_from!r} has leading or trailing spaces")
     if num_devices is None:
         return
     import jax  # late import: the config module stays importable without initialising devices
@@ -476,7 +591,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         degrees = cfg.mesh.shape(num_devices)
     except ConfigError as err:
         raise ConfigError(f"{src}: {err}") from None
-    problem = mesh_problem(cfg, degrees)
+    problem = mesh_problem(cfg, degrees) or quant_mesh_problem(m, degrees)
     if problem:
         raise ConfigError(f"{src}: {problem}")
     if cfg.data.shards and (cfg.data.shards % jax.process_count() or t.global_batch % cfg.data.shards):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from maxlm.config import ModelConfig
 from maxlm.model.attention import Tokens
 from maxlm.model.layers import Block, LayerContext, Norm
-from maxlm.model.linear import DTYPES, Linear, param
+from maxlm.model.linear import DTYPES, Linear, dequantize, param, quant_params
 from maxlm.parallel.sharding import constrain
 
 # What "save_named" keeps for the backward pass: the projections and attention's output, so only
@@ -57,11 +57,7 @@ class Transformer(nn.Module):
             segment_ids = jnp.ones_like(tokens)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-        table = param(self, "embed", (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"),
-                      nn.initializers.normal(cfg.init_std))
-        # Gather the whole table for the lookup (as FSDP does for every weight): a gather from a
-        # vocab-sharded table would force XLA to replicate its output and re-split it by batch.
-        x = jnp.take(constrain(table, (None, None)), tokens, axis=0).astype(DTYPES[cfg.dtype])
+        x, head = self.embed(tokens)
         if cfg.position == "learned":
             pos_table = param(self, "pos_embed", (cfg.max_seq_len, cfg.d_model), ("length", "embed"),
                               nn.initializers.normal(cfg.init_std / 2))
@@ -79,9 +75,32 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = cache.with_layers(layer_cache)
         x = Norm(cfg, name="final_norm")(x)
-        head = Linear(cfg, (cfg.d_model,), (cfg.padded_vocab,), ("embed",), ("vocab",), name="lm_head")
-        logits = head(x, tied=table.T if cfg.tie_embeddings else None)
+        logits = Linear(cfg, (cfg.d_model,), (cfg.padded_vocab,), ("embed",), ("vocab",),
+                        name="lm_head")(x, tied=head if cfg.tie_embeddings else None)
         return constrain(logits, ("batch", "length", "vocab")), cache
+
+    def embed(self, tokens: jax.Array) -> tuple[jax.Array, Any]:
+        """(token embeddings [B, T, d_model] in the compute dtype, the table as a tied LM head uses it).
+
+        ``ModelConfig.embedding`` dense: ``embed`` [V, D]. int8/int4: ``embed_qweight`` and
+        ``embed_scales``, the transposed table [D, V] in the Linear format (quantized along D,
+        ``maxlm.model.linear``): a lookup gathers a token's column and dequantizes it, and a tied
+        LM head is that quantized Linear as stored."""
+        cfg = self.cfg
+        if cfg.embedding == "dense":
+            table = param(self, "embed", (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"),
+                          nn.initializers.normal(cfg.init_std))
+            # Gather the whole table for the lookup (as FSDP does for every weight): a gather from a
+            # vocab-sharded table would force XLA to replicate its output and re-split it by batch.
+            x = jnp.take(constrain(table, (None, None)), tokens, axis=0)
+            return x.astype(DTYPES[cfg.dtype]), table.T
+        qweight, scales = quant_params(self, cfg.embedding, cfg.d_model, (cfg.padded_vocab,), "embed",
+                                       ("vocab",), prefix="embed_")
+        flat = tokens.reshape(-1)
+        columns = jnp.take(constrain(qweight, (None, None)), flat, axis=1)  # [D or D // 8, B*T]
+        col_scales = jnp.take(constrain(scales, (None, None)), flat, axis=1)
+        x = dequantize(cfg.embedding, columns, col_scales, DTYPES[cfg.dtype]).T
+        return x.reshape(*tokens.shape, cfg.d_model), (qweight, scales)
 
     def layers(self, x: jax.Array, ctx: LayerContext, layer_cache: Any) -> tuple[jax.Array, Any]:
         """The stacked layers, scanned here or run by the injected ``stack``."""
