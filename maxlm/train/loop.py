@@ -1,7 +1,8 @@
 """The training loop, for any task: data, eval, checkpoints, preemption, rollback, metrics, progress.
 
-``run(cfg, task, mesh)`` restores the latest good checkpoint (or ``resume_from``, or initialises),
-then steps until ``TrainConfig.steps``: every ``log_every`` steps it logs the window's mean loss,
+``run(cfg, task, mesh)`` restores the latest good checkpoint (or ``resume_from``), else starts at
+step 0 from ``TrainConfig.init_params``, from the parameters of the checkpoint
+``TrainConfig.init_from`` names (a warm start: fresh optimizer state), or from random ones; then steps until ``TrainConfig.steps``: every ``log_every`` steps it logs the window's mean loss,
 every ``eval_every`` it evaluates, and it saves as ``CheckpointConfig`` says, on preemption and at
 the end. Everything inside jit is in ``maxlm.train.step``; this file holds the side effects.
 """
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from maxlm import model
-from maxlm.config import Config, operative_gin
+from maxlm.config import Config, ConfigError, operative_gin
 from maxlm.train import checkpoint, metrics, optim, step
 from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
 from maxlm.train.rundir import RunDirectory, check_writable
@@ -72,6 +73,58 @@ def _restore(cfg, ckpt, resume_from, abstract, shardings):
     return step_n, state, data_state, source.directory / str(step_n)
 
 
+def _has_checkpoints(run_dir: Path) -> bool:
+    ckpts = run_dir / "checkpoints"
+    return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+
+
+def warm_start_dir(cfg: Config) -> Path:
+    """The checkpoint folder TrainConfig.init_from names (a run directory: its newest good
+    checkpoint; or RUN_DIR/checkpoints/STEP), checked; a ConfigError (one line) if unusable."""
+    where = f"{cfg.source}: TrainConfig.init_from = {cfg.train.init_from!r}"
+    path = Path(cfg.train.init_from).expanduser().resolve()
+    if not path.exists():
+        raise ConfigError(f"{where} does not exist (expected a run directory or RUN_DIR/checkpoints/STEP)")
+    if (path / "checkpoints").is_dir():
+        steps = sorted((int(p.name) for p in (path / "checkpoints").iterdir() if p.name.isdigit()), reverse=True)
+        problems = []
+        for s in steps:
+            problem = checkpoint.checkpoint_problem(path / "checkpoints" / str(s))
+            if problem is None:
+                return path / "checkpoints" / str(s)
+            problems.append(f"{s}: {problem}")
+        raise ConfigError(f"{where}: no usable checkpoint in {path / 'checkpoints'}"
+                          + (f" ({'; '.join(problems[:3])})" if problems else ""))
+    if path.name.isdigit() and (path / "state").is_dir():
+        problem = checkpoint.checkpoint_problem(path)
+        if problem:
+            raise ConfigError(f"{where}: checkpoint {path} is {problem}")
+        return path
+    raise ConfigError(f"{where} is neither a run directory (with checkpoints/) nor a checkpoint "
+                      "(RUN_DIR/checkpoints/STEP)")
+
+
+def check_warm_start(cfg: Config, step_dir: Path, abstract_params: Any) -> None:
+    """One line naming the first parameter whose shape in ``step_dir`` differs from the model's."""
+    import orbax.checkpoint as ocp
+
+    where = f"{cfg.source}: TrainConfig.init_from = {cfg.train.init_from!r}"
+    try:
+        saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
+        saved = checkpoint._shapes(getattr(saved, "tree", saved)["params"])
+    except Exception as err:  # noqa: BLE001 - Orbax/tensorstore raise many types for damaged files
+        raise ConfigError(f"{where}: cannot read the parameters of {step_dir} ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())[:200]})") from None
+    wanted = checkpoint._shapes(abstract_params)
+    diffs = [f"parameter {k} is {saved[k]} there but {v} in this config's model" if k in saved
+             else f"parameter {k} of this config's model is missing there" for k, v in wanted.items()
+             if saved.get(k) != v]
+    diffs += [f"parameter {k} there is not in this config's model" for k in saved if k not in wanted]
+    if diffs:
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        raise ConfigError(f"{where}: {step_dir} does not fit ModelConfig: {diffs[0]}{more}")
+
+
 def _window_metrics(fetched: list[dict]) -> dict[str, float]:
     """What one logging window reports: the mean loss over its applied steps (the trend, not the
     last step's noise), the last grad norm, learning rate and loss scale, and the skips."""
@@ -119,6 +172,11 @@ class Loop:
         if tc.init_params:
             params = checkpoint.restore_params(tc.init_params, self.abstract.params, self.shardings.params)
             say(f"initialised parameters from {tc.init_params}")
+        elif tc.init_from:  # parameters only: the optimizer starts fresh, at step 0
+            step_dir = self.warm_dir or warm_start_dir(cfg)
+            check_warm_start(cfg, step_dir, self.abstract.params)
+            params = checkpoint.restore_state_params(step_dir, self.abstract.params, self.shardings.params)
+            say(f"warm start: parameters from {step_dir}")
         return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable), False
 
     def describe(self, first: int) -> None:
@@ -279,6 +337,11 @@ class Loop:
 
     def run(self, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
         """Train, holding the run directory's lock throughout."""
+        self.warm_dir = None
+        if self.cfg.train.init_from and resume_from is None and (fresh or not _has_checkpoints(self.run_dir)):
+            # Checked before the run directory is touched; a resumed run never reads it.
+            self.warm_dir = warm_start_dir(self.cfg)
+            check_warm_start(self.cfg, self.warm_dir, model.abstract_params(self.cfg.model))
         with RunDirectory(self.run_dir, writer=jax.process_index() == 0, log=say) as run_dir, run_dir.library_log():
             if fresh:
                 run_dir.set_aside_checkpoints()

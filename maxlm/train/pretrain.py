@@ -23,9 +23,12 @@ EPILOG = """examples:
   python -m maxlm.train --config=tiny.gin
   python -m maxlm.train --config=tiny.gin --run_dir=runs/lr1e-3 --gin_bindings='OptimConfig.learning_rate=1e-3'
   python -m maxlm.train --config=gpt2_124m.gin --gin_bindings='MeshConfig.fsdp=8' --gin_bindings='MeshConfig.data=1'
+  python -m maxlm.train --config=runs/pruned/config.gin --run_dir=runs/ft --gin_bindings="TrainConfig.init_from='runs/pruned'"
 
 A bare config name is looked up in configs/. Rerunning with the same --run_dir resumes from its
-latest good checkpoint. SIGTERM or Ctrl-C saves and exits 0; rerun the command to continue.
+latest good checkpoint. TrainConfig.init_from (a run directory or RUN_DIR/checkpoints/STEP) starts
+a fresh run from those parameters (step 0, new optimizer state): fine-tuning a pruned model.
+SIGTERM or Ctrl-C saves and exits 0; rerun the command to continue.
 Watch a run with: tensorboard --logdir RUN_DIR/tensorboard"""
 
 
