@@ -96,9 +96,19 @@ def _parser() -> argparse.ArgumentParser:
             "  maxlm_manifest.json     sha256 and size of every file, the source and the step\n"
             "Everything is written into a hidden sibling of DIR, renamed onto DIR last: an\n"
             "interrupted export leaves no directory that looks complete. A model transformers\n"
-            "cannot express (e.g. ModelConfig.sliding_window > 0) is refused."),
+            "cannot express (e.g. ModelConfig.sliding_window > 0) is refused.\n"
+            "\n"
+            "INT4 (llama family; maxlm.hf.quant_export describes the formats): a model made INT4\n"
+            "by `python -m maxlm.quantize` (RTN, GPTQ or AWQ) is written INT4 as it is, losslessly;\n"
+            "--quant int4 also quantizes every other Linear by round-to-nearest; the LM head stays\n"
+            "dense. config.json gets a quantization_config; transformers loads the default format\n"
+            "with the compressed-tensors package installed, and vLLM serves it (on CPU its kernel\n"
+            "needs every Linear's inputs and outputs a multiple of 32: a note says when not)."),
         epilog=("example:\n"
                 "  python -m maxlm.hf export runs/tiny --out exports/tiny --dtype bf16\n"
+                "  python -m maxlm.hf export runs/tiny --out exports/tiny-w4 --quant int4 --quant-group 64\n"
+                "  python -m maxlm.quantize --checkpoint runs/tiny --method gptq --bits 4 --group 64 --out runs/tiny-gptq\n"
+                "  python -m maxlm.hf export runs/tiny-gptq --out exports/tiny-gptq --quant-format gptq\n"
                 "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('exports/tiny')\"\n"
                 "  scripts/serve_vllm.sh exports/tiny --cpu"))
     exp.add_argument("path", metavar="PATH", type=_path,
@@ -116,7 +126,23 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-gb", type=_positive_float, default=5.0, metavar="GB",
                      help="largest safetensors file before the weights are sharded, in GiB "
                           "(default: %(default)s)")
+    exp.add_argument("--quant", choices=("int4", "none"), default=None,
+                     help="int4: every Linear but the LM head INT4 (the model's own INT4 weights as they "
+                          "are, the others by round-to-nearest); none: every weight dense (quantized ones "
+                          "dequantized); default: the model as it is")
+    exp.add_argument("--quant-format", choices=("compressed-tensors", "gptq"), default=None,
+                     help="INT4 on disk: compressed-tensors pack-quantized (default; transformers and vLLM) "
+                          "or GPTQ (qweight/qzeros/scales/g_idx; vLLM, or transformers with gptqmodel)")
+    exp.add_argument("--quant-group", type=_group, default=None, metavar="N",
+                     help="INT4 inputs per scale, a multiple of 8 dividing every Linear's inputs "
+                          "(default: 128, or the INT4 model's own ModelConfig.quant_group)")
     return parser
+
+
+def _group(text: str) -> int:
+    if not text.isdigit() or int(text) == 0 or int(text) % 8:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive multiple of 8 (8 INT4 values per int32)")
+    return int(text)
 
 
 def _step(text: str) -> int:
@@ -144,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             from maxlm.hf.export import export_model
 
             summary = export_model(args.path, args.out, dtype=args.dtype, step=args.step, family=args.family,
-                                   max_shard_bytes=max(1, int(args.max_shard_gb * 2**30)))
+                                   max_shard_bytes=max(1, int(args.max_shard_gb * 2**30)), quant=args.quant,
+                                   quant_format=args.quant_format, quant_group=args.quant_group)
     except (HFImportError, HFExportError, ConfigError) as err:
         print(f"maxlm.hf: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -12,7 +12,9 @@ directory) and writes a directory that ``transformers`` and ``vllm serve`` load:
   maxlm_manifest.json          sha256 and size of every other file, the source and step
 
 The weights go through ``maxlm.hf.table`` (the same rows as the import, so import -> export is
-bit-exact); the vocabulary padding is cropped. Everything is written into a hidden sibling of DIR
+bit-exact); the vocabulary padding is cropped. ``--quant int4`` (or a model ``maxlm.quantize`` made
+INT4) writes the Linears as compressed-tensors ``pack-quantized`` or GPTQ INT4 with config.json's
+``quantization_config`` (``maxlm.hf.quant_export``, where the formats are described). Everything is written into a hidden sibling of DIR
 that is renamed onto DIR last (``maxlm.hf.staging.staged_dir``): an interrupted export leaves no
 directory that looks complete. Every user mistake is a one-line ``HFExportError``.
 """
@@ -20,9 +22,12 @@ directory that looks complete. Every user mistake is a one-line ``HFExportError`
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +83,12 @@ def generation_config(ids: dict[str, Any]) -> dict[str, Any]:
     return {**{f"{n}_token_id": i for n, i in ids.items()}, "do_sample": False}
 
 
-def plan_shards(tensors: dict[str, np.ndarray], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Tensor names per file, in order, each file at most ``max_shard_bytes`` (a bigger tensor gets
-    a file of its own), as ``save_pretrained`` splits them."""
+    a file of its own), as ``save_pretrained`` splits them; ``sizes`` the stored bytes of each."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, x in tensors.items():
-        nbytes = x.size * itemsize
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -119,13 +123,17 @@ def _write_shard(path: Path, tensors: dict[str, np.ndarray]) -> None:
 def write_weights(out: Path, tensors: dict[str, np.ndarray], dtype: np.dtype, max_shard_bytes: int,
                   mode: int = 0o644) -> list[str]:
     """The safetensors file(s) (+ index when sharded); casts one shard at a time to bound memory.
+    Floating tensors are stored as ``dtype``; integer ones (packed INT4 words, shapes) as they are.
     safetensors creates its files owner-only; ``mode`` makes them as readable as the other files
     (a server often runs as another user)."""
-    groups = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+    def stored(x: np.ndarray) -> np.dtype:
+        return dtype if np.issubdtype(x.dtype, np.floating) or x.dtype == DTYPES["bfloat16"] else x.dtype
+
+    groups = plan_shards({name: x.size * stored(x).itemsize for name, x in tensors.items()}, max_shard_bytes)
     names = shard_names(len(groups))
     weight_map, total = {}, 0
     for file, group in zip(names, groups):
-        shard = {name: np.ascontiguousarray(tensors[name], dtype=dtype) for name in group}
+        shard = {name: np.ascontiguousarray(tensors[name], dtype=stored(tensors[name])) for name in group}
         _write_shard(out / file, shard)
         os.chmod(out / file, mode)
         total += sum(x.nbytes for x in shard.values())
@@ -224,13 +232,23 @@ def _write_tokenizer(loaded: Any, stage: Path, cfg: ModelConfig) -> str:
     return f"{loaded.tokenizer.name} tokenizer"
 
 
+def _note(message: str) -> None:
+    print(f"maxlm.hf: note: {message}", file=sys.stderr, flush=True)
+
+
 def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = None, step: int | None = None,
-                 family: str | None = None, max_shard_bytes: int = 5 * 2**30) -> str:
+                 family: str | None = None, max_shard_bytes: int = 5 * 2**30, quant: str | None = None,
+                 quant_format: str | None = None, quant_group: int | None = None,
+                 say: Callable[[str], None] = _note) -> str:
     """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
     returns the summary line. ``dtype`` is the stored dtype (float32/fp32, bfloat16/bf16 or
     float16/fp16; None: a Hugging Face source's own, float32 for a maxlm run);
-    ``family`` ('llama' | 'gpt2') defaults to the one the ModelConfig fits. Checks everything it
-    can before loading the weights, and refuses a non-empty ``out``."""
+    ``family`` ('llama' | 'gpt2') defaults to the one the ModelConfig fits. ``quant`` (None: the
+    model as it is, 'int4', 'none'), ``quant_format`` ('compressed-tensors' | 'gptq') and
+    ``quant_group`` choose the INT4 export (``maxlm.hf.quant_export``); ``say`` gets its notes.
+    Checks everything it can before loading the weights, and refuses a non-empty ``out``."""
+    from maxlm.hf import quant_export
+
     if dtype is not None and dtype not in DTYPE_ALIASES:
         raise HFExportError(f"--dtype {dtype!r} is not one of fp32, bf16, fp16 (float32, bfloat16, float16)")
     dtype = DTYPE_ALIASES.get(dtype)
@@ -239,6 +257,7 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
                             f"{', '.join(f'{k} ({v})' for k, v in SUPPORTED.items())})")
     if max_shard_bytes < 1:
         raise HFExportError(f"max_shard_bytes = {max_shard_bytes} must be positive")
+    quant_export.check_options(quant, quant_format, quant_group)
     out_path = check_export_out(out)
     loaded = _load(path_or_loaded, step)
     cfg = loaded.cfg
@@ -252,7 +271,15 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
     _check_tokenizer(loaded, cfg)
     from maxlm.hf.load import to_numpy
 
-    tensors = export_params(to_numpy(loaded.params), cfg, family)
+    params = to_numpy(loaded.params)
+    qplan = quant_export.plan(cfg, params, family, quant, quant_format, quant_group, say)
+    if qplan is not None:
+        tensors, dense_linears = quant_export.quantized_tensors(qplan, family, DTYPES[dtype])
+        config["quantization_config"] = quant_export.quantization_config(qplan, family, dense_linears)
+    else:
+        dense_cfg, params = quant_export.dense_model(cfg, params, say)
+        tensors = export_params(params, dense_cfg, family)
+    del params
     check_export_out(out)  # again: the load may have taken minutes
     with staged_dir(out_path) as stage:
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -260,12 +287,34 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
         files = write_weights(stage, tensors, DTYPES[dtype], max_shard_bytes, mode)
         _write_generation_config(loaded, stage, ids)
         tokenizer = _write_tokenizer(loaded, stage, cfg)
+        quant_info = None if qplan is None else {"format": qplan.fmt, "bits": 4, "group_size": qplan.group,
+                                                 "linears": list(qplan.int4)}
         write_manifest(stage, {"format": "maxlm.hf export 1", "source": str(loaded.source), "step": loaded.step,
-                               "family": family, "architecture": SUPPORTED[family], "dtype": dtype})
-    count = sum(x.size for x in tensors.values())
-    size = count * DTYPES[dtype].itemsize
+                               "family": family, "architecture": SUPPORTED[family], "dtype": dtype,
+                               "quantization": quant_info})
+    size = sum((out_path / f).stat().st_size for f in files if f.endswith(".safetensors"))
     weights = files[0] if len(files) == 1 else f"{len(files) - 1} shards + {INDEX_FILE}"
     at = f" (step {loaded.step})" if loaded.step is not None else ""
-    return (f"exported {SUPPORTED[family]} ({family}) from {loaded.source}{at}: {count:,} parameters "
-            f"({count / 1e6:.1f}M, vocab {cfg.vocab_size}), {dtype} {size / 2**20:.1f} MiB in {weights}, "
-            f"{tokenizer}, manifest {MANIFEST} -> {out_path}")
+    if qplan is None:
+        count = sum(x.size for x in tensors.values())
+        what = f"{count:,} parameters ({count / 1e6:.1f}M, vocab {cfg.vocab_size}), {dtype}"
+    else:
+        count = sum(math.prod(s) for s in _hf_weight_shapes(tensors))
+        what = (f"{count:,} parameters ({count / 1e6:.1f}M, vocab {cfg.vocab_size}), {len(qplan.int4)} Linear(s) per "
+                f"layer int4 ({qplan.fmt}, group {qplan.group}), the rest {dtype}")
+    return (f"exported {SUPPORTED[family]} ({family}) from {loaded.source}{at}: {what}, "
+            f"{size / 2**20:.1f} MiB in {weights}, {tokenizer}, manifest {MANIFEST} -> {out_path}")
+
+
+def _hf_weight_shapes(tensors: dict[str, np.ndarray]) -> list[tuple[int, ...]]:
+    """The unquantized shape of every weight: dense tensors as they are, an INT4 Linear by its
+    [out, in] (from the packed words: 8 inputs per int32), its scales and zeros not counted."""
+    shapes = []
+    for name, x in tensors.items():
+        if name.endswith(".weight_packed"):
+            shapes.append((x.shape[0], x.shape[1] * 8))
+        elif name.endswith(".qweight"):
+            shapes.append((x.shape[0] * 8, x.shape[1]))
+        elif not name.endswith((".weight_scale", ".weight_shape", ".scales", ".qzeros", ".g_idx")):
+            shapes.append(x.shape)
+    return shapes
