@@ -160,9 +160,10 @@ class Server:
         return _session_pids(sid)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    """ONE vLLM server for the session (started now, ready when ``.url`` is first read)."""
+    """ONE vLLM server for this module (started now, ready when ``.url`` is first read); stopped at
+    the module's end, so tests/test_vllm_int4.py's server can take the lock after it."""
     python = require_peer("vllm")  # skips (fails in CI) before any work when the peer env is missing
     _, export_dir = request.getfixturevalue("exported")
     with open(LOCK, "w") as lock:

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     from maxlm.quant.apply import METHODS
     from maxlm.quant.policy import POLICIES
 
-    p = _Parser(prog="python -m maxlm.quantize", description=__doc__.splitlines()[0].strip("`"),
+    p = _Parser(prog="python -m maxlm.quantize", description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step) or RUN_DIR/checkpoints/STEP")
