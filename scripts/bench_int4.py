@@ -46,8 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ms", default="1,16,64,256", help="comma-separated M (rows of x) (default: 1,16,64,256)")
     p.add_argument("--group", type=int, default=128, help="quantisation group along K (default: 128)")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats, alternating (default: 20)")
-    p.add_argument("--copies", type=int, default=4, help="distinct weight arrays cycled per call (default: 4)")
-    p.add_argument("--calls", type=int, default=32, help="matmuls per timed jit call (default: 32)")
+    p.add_argument("--copies", type=int, default=16,
+                   help="distinct weight arrays cycled per call (default: 16); at least --calls, or XLA merges "
+                        "the bf16 dots that share a weight into one and the baseline reads it once")
+    p.add_argument("--calls", type=int, default=16, help="matmuls per timed jit call (default: 16)")
     p.add_argument("--sweep", action="store_true", help="GPU: also time other block sizes at each M")
     args = p.parse_args(argv)
     try:
@@ -79,9 +81,10 @@ def _time_once(fn, args):
 
 def runner(matmul, calls, copies):
     """One jit running ``calls`` matmuls, cycling through ``copies`` weights; returns every output
-    (no combining op to add time)."""
+    (no combining op to add time). Each matmul has its own rows of ``x`` ([calls, M, K]): with one
+    x, XLA would merge the repeats of a weight copy into one matmul (common subexpressions)."""
     def run(x, weights):
-        return [matmul(x, *weights[i % copies]) for i in range(calls)]
+        return [matmul(x[i], *weights[i % copies]) for i in range(calls)]
     return jax.jit(run)
 
 
@@ -99,7 +102,7 @@ def gpu(args) -> None:
     print(f"{'M':>5} {'contender':<50} {'us/matmul':>10} {'GB/s':>7} {'vs bf16':>8}")
     ratios = {}
     for m in args.ms:
-        x = jax.random.normal(jax.random.PRNGKey(m), (m, args.k), jnp.bfloat16)
+        x = jax.random.normal(jax.random.PRNGKey(m), (args.calls, m, args.k), jnp.bfloat16)
         io = m * (args.k + args.n) * 2
         configs = [{}]
         if args.sweep:

@@ -109,6 +109,8 @@ def _kernel(x_ref, qw_ref, s_ref, o_ref, *, m, k, n, group, block_m, block_n, un
     # one op per weight saved; exact enough since OFFSET is 128 (bf16 has 8 mantissa bits). fp16's
     # OFFSET is 1024 and fp32's 2**23, too large to cancel, so they subtract in the tile (exact).
     fold = x_dtype == jnp.bfloat16
+    # fp32 activations: exact fp32 products (Triton's default for an fp32 dot is TF32, ~3e-4 off).
+    precision = jax.lax.Precision.HIGHEST if x_dtype == jnp.float32 else None
 
     def sub_block(r0, acc):
         """acc + x[:, r0:r0+128] · W[r0:r0+128, :], one 128-row sub-block."""
@@ -128,7 +130,7 @@ def _kernel(x_ref, qw_ref, s_ref, o_ref, *, m, k, n, group, block_m, block_n, un
             scale = _gather(s_ref, gidx[:, None], jnp.arange(block_n)[None, :], col_ok).astype(jnp.float32)
             for j, xj in enumerate(xs):
                 q = _nibble(words, j, x_dtype).astype(jnp.float32) - (offset + 8)
-                acc += jnp.dot(xj, (q * scale).astype(x_dtype), preferred_element_type=jnp.float32)
+                acc += jnp.dot(xj, (q * scale).astype(x_dtype), preferred_element_type=jnp.float32, precision=precision)
             return acc
         # One group spans the sub-block: its scale multiplies the [block_m, block_n] partial sum.
         scale = plgpu.load(s_ref.at[pl.ds(jnp.minimum(r0 // group, n_groups - 1), 1), :], mask=col_ok, other=0)
@@ -137,7 +139,7 @@ def _kernel(x_ref, qw_ref, s_ref, o_ref, *, m, k, n, group, block_m, block_n, un
             w = _nibble(words, j, x_dtype)
             if not fold:
                 w = w - jnp.asarray(offset + 8, x_dtype)
-            part += jnp.dot(xj, w, preferred_element_type=jnp.float32)
+            part += jnp.dot(xj, w, preferred_element_type=jnp.float32, precision=precision)
         if fold:
             xsum = functools.reduce(jnp.add, [xj.astype(jnp.float32) for xj in xs])
             part -= (offset + 8) * jnp.sum(xsum, axis=1, keepdims=True)
