@@ -117,7 +117,7 @@ def layer_tensors(cfg: Config, tensor: int) -> dict[str, float]:
     c = DTYPE_BYTES[m.dtype]
     d, h, t = m.d_model, m.dim_per_head, cfg.train.seq_len
     heads, kv, ff = m.n_heads / tensor, m.kv_heads / tensor, m.d_ff / tensor
-    flash = m.attention_impl == "cudnn"
+    flash = m.attention_impl in ("cudnn", "pallas")  # fused kernels keep no [T, T] scores
     # xla attention computes only its schedule's blocks: keys per query on average, and it keeps
     # the probabilities for the backward pass only when rows are short (else recomputes them).
     schedule = attention.self_attention_schedule(t, m.sliding_window)

@@ -412,10 +412,10 @@ def aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0, stock: boo
     _check_aot(cfg, degrees, layers)
     if jax.device_count() < n:
         raise config.ConfigError(f"--aot needs {n} devices but this process has {jax.device_count()}")
-    if m.attention_impl == "cudnn":
+    if m.attention_impl in ("cudnn", "pallas"):
         cfg = cfg.replace(model={"attention_impl": "xla"})
-        notes.append("compiled with attention_impl = 'xla' (cuDNN kernels do not compile for CPU); "
-                     "the estimate beside it is for 'xla' too")
+        notes.append(f"compiled with attention_impl = 'xla' ({m.attention_impl}'s GPU kernels do not compile for "
+                     "CPU); the estimate beside it is for 'xla' too")
     if layers == 1:
         raise ValueError("compile at least 2 layers: a one-layer scan compiles differently")
     if 0 < layers and 2 * layers < m.n_layers:

@@ -198,6 +198,9 @@ class Loop:
         say(f"maxlm: {self.task.name}, {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
             f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {self.run_dir}"
             + (f", pipeline bubble {bubble:.1%}" if mesh.shape["pipeline"] > 1 else ""))
+        if cfg.model.attention_impl == "pallas" and jax.default_backend() != "gpu":
+            say(f"note: ModelConfig.attention_impl = 'pallas' on {jax.default_backend()}: the flash attention "
+                "kernel runs in Pallas interpret mode (exact, and many times slower than 'xla'); it compiles on GPUs")
 
     def evaluate(self, at_step: int) -> float:
         """Evaluate and log; returns the seconds it took (not training throughput)."""
