@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from maxlm.cli_args import OneLineParser, UserError, number
+
 EXAMPLES = """\
 examples:
   # greedy, streamed to the terminal, stops at the tokenizer's end-of-sequence token
@@ -39,29 +41,10 @@ stop string). Each prompt must leave room for one new token in the model's conte
 """
 
 
-class UserError(Exception):
-    """A mistake in the command line or its inputs: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"maxlm.generate: error: {' '.join(message.split())} (see --help)\n")
-
-
-def _number(kind, check, what):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text} {what}")
-        return value
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m maxlm.generate", description=__doc__.splitlines()[0].removesuffix(":"),
+    p = OneLineParser(prog="python -m maxlm.generate", description=__doc__.splitlines()[0].removesuffix(":"),
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR|HF_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step), one checkpoint "
@@ -69,30 +52,30 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": "..."} object per line')
-    p.add_argument("--max-new-tokens", type=_number(int, lambda v: v >= 1, "must be >= 1"), default=128,
+    p.add_argument("--max-new-tokens", type=number(int, lambda v: v >= 1, "must be >= 1"), default=128,
                    help="new tokens per prompt at most (default: %(default)s)")
-    p.add_argument("--temperature", type=_number(float, lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
+    p.add_argument("--temperature", type=number(float, lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
                    default=0.0, help="0 is greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=_number(int, lambda v: v >= 0, "must be >= 0"), default=0,
+    p.add_argument("--top-k", type=number(int, lambda v: v >= 0, "must be >= 0"), default=0,
                    help="sample from the k most likely tokens; 0 is off (default)")
-    p.add_argument("--top-p", type=_number(float, lambda v: 0 < v <= 1, "must lie in (0, 1]"), default=1.0,
+    p.add_argument("--top-p", type=number(float, lambda v: 0 < v <= 1, "must lie in (0, 1]"), default=1.0,
                    help="nucleus sampling mass; 1 is off (default)")
-    p.add_argument("--repetition-penalty", type=_number(float, lambda v: 0 < v < math.inf, "must be > 0"),
+    p.add_argument("--repetition-penalty", type=number(float, lambda v: 0 < v < math.inf, "must be > 0"),
                    default=1.0, help="as Hugging Face: divides (multiplies) the positive (negative) logits of "
                                      "tokens already in the prompt or output; 1 is off (default)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop a completion when it contains STR (repeatable; the completion ends before it)")
     p.add_argument("--stop-token", action="append", default=[], metavar="ID",
-                   type=_number(int, lambda v: v >= 0, "must be >= 0"),
+                   type=number(int, lambda v: v >= 0, "must be >= 0"),
                    help="stop at this token id (repeatable; default: the tokenizer's end-of-sequence id)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--seed", type=_number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
+    p.add_argument("--seed", type=number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
                    help="random seed of the sampling, in [0, 2**32) (default: %(default)s)")
-    p.add_argument("--tensor", type=_number(int, lambda v: v >= 1, "must be >= 1"), default=1,
+    p.add_argument("--tensor", type=number(int, lambda v: v >= 1, "must be >= 1"), default=1,
                    help="devices on the tensor axis (heads and MLP split across them; default: 1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--step", type=_number(int, lambda v: v >= 0, "must be >= 0"),
+    p.add_argument("--step", type=number(int, lambda v: v >= 0, "must be >= 0"),
                    help="the checkpoint step of a run directory (default: the newest good one)")
     p.add_argument("--no-stream", action="store_true", help="print completions at the end, not as they come")
     p.add_argument("--out", metavar="FILE.jsonl", help="write the results as JSON lines")

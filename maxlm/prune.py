@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maxlm.cli_args import OneLineParser, UserError, number
+
 EXAMPLES = """\
 examples:
   # a quarter of the heads of every layer (whole kv groups under GQA), ranked by calibration loss
@@ -49,55 +51,36 @@ the pruned model before fine-tuning is kept in DIR/pruned.
 PROG = "maxlm.prune"
 
 
-class UserError(Exception):
-    """A mistake in the command line or its inputs: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{PROG}: error: {' '.join(message.split())} (see --help)\n")
-
-
-def _number(kind, check, what):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text} {what}")
-        return value
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
     from maxlm.quant.prune import METHODS
 
-    p = _Parser(prog="python -m maxlm.prune", description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
+    p = OneLineParser(prog="python -m maxlm.prune", description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step) or RUN_DIR/checkpoints/STEP")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--heads", type=_number(float, lambda v: 0 < v < 1, "must lie in (0, 1)"), metavar="FRACTION",
+    what.add_argument("--heads", type=number(float, lambda v: 0 < v < 1, "must lie in (0, 1)"), metavar="FRACTION",
                       help="fraction of the attention heads to remove from every layer, in whole kv groups")
-    what.add_argument("--layers", type=_number(int, lambda v: v >= 1, "must be >= 1"), metavar="N",
+    what.add_argument("--layers", type=number(int, lambda v: v >= 1, "must be >= 1"), metavar="N",
                       help="number of whole layers to remove")
     p.add_argument("--method", choices=METHODS, default="importance",
                    help="how units are ranked (default: %(default)s)")
-    p.add_argument("--seed", type=_number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
+    p.add_argument("--seed", type=number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
                    help="seed of the random choice (--method random, and the baseline printed beside the "
                         "others; default: %(default)s)")
-    p.add_argument("--calib-samples", type=_number(int, lambda v: v >= 1, "must be >= 1"), default=128,
+    p.add_argument("--calib-samples", type=number(int, lambda v: v >= 1, "must be >= 1"), default=128,
                    help="calibration sequences from the run's training data, rounded up to whole batches of "
                         "TrainConfig.global_batch (default: %(default)s)")
-    p.add_argument("--eval-batches", type=_number(int, lambda v: v >= 1, "must be >= 1"),
+    p.add_argument("--eval-batches", type=number(int, lambda v: v >= 1, "must be >= 1"),
                    help="held-out batches scored (default: the run's TrainConfig.eval_batches)")
-    p.add_argument("--finetune", type=_number(int, lambda v: v >= 0, "must be >= 0"), default=0, metavar="STEPS",
+    p.add_argument("--finetune", type=number(int, lambda v: v >= 0, "must be >= 0"), default=0, metavar="STEPS",
                    help="fine-tune the pruned model this many steps on the run's data (default: 0, none)")
-    p.add_argument("--finetune-lr", type=_number(float, lambda v: 0 < v < math.inf, "must be > 0"),
+    p.add_argument("--finetune-lr", type=number(float, lambda v: 0 < v < math.inf, "must be > 0"),
                    help="peak learning rate of the fine-tuning (default: 0.1 x the run's "
                         "OptimConfig.learning_rate), cosine over STEPS after a short warmup")
-    p.add_argument("--step", type=_number(int, lambda v: v >= 0, "must be >= 0"),
+    p.add_argument("--step", type=number(int, lambda v: v >= 0, "must be >= 0"),
                    help="checkpoint step of the run (default: the newest good one)")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory to create (must not exist)")
     return p

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from maxlm.cli_args import OneLineParser, UserError, number
+
 EXAMPLES = """\
 policies:
   all       attention and MLP Linears at --bits (the LM head and embedding stay unless --lm-head/--embedding)
@@ -40,40 +42,21 @@ and per-Linear relative output error ||X(W - Q)||^2 / ||XW||^2 on the calibratio
 """
 
 
-class UserError(Exception):
-    """A mistake in the command line or its inputs: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"maxlm.quantize: error: {' '.join(message.split())} (see --help)\n")
-
-
-def _number(kind, check, what):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text} {what}")
-        return value
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
     from maxlm.quant.apply import METHODS
     from maxlm.quant.policy import POLICIES
 
-    p = _Parser(prog="python -m maxlm.quantize", description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
+    p = OneLineParser(prog="python -m maxlm.quantize", description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step) or RUN_DIR/checkpoints/STEP")
     p.add_argument("--method", required=True, choices=METHODS, help="rtn needs no data; gptq and awq calibrate "
                    "on the run's own training data")
-    p.add_argument("--bits", type=_number(int, lambda v: v in (4, 8), "is not a supported width (4 or 8)"),
+    p.add_argument("--bits", type=number(int, lambda v: v in (4, 8), "is not a supported width (4 or 8)"),
                    help="4 (INT4, grouped) or 8 (INT8); required unless --policy layered")
-    p.add_argument("--group", type=_number(int, lambda v: v >= 1, "must be >= 1"),
+    p.add_argument("--group", type=number(int, lambda v: v >= 1, "must be >= 1"),
                    help="inputs per scale: INT4 default 128 (a multiple of 8); INT8 default one scale per "
                         "output channel")
     p.add_argument("--policy", choices=POLICIES, default="all", help="which weights (default: %(default)s)")
@@ -81,14 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding", choices=("dense", "int8", "int4"),
                    help="store the embedding table so (default: as the policy says)")
     p.add_argument("--act-order", action="store_true", help="gptq: quantize inputs by decreasing Hessian diagonal")
-    p.add_argument("--damp", type=_number(float, lambda v: 0 < v < 1, "must lie in (0, 1)"), default=0.01,
+    p.add_argument("--damp", type=number(float, lambda v: 0 < v < 1, "must lie in (0, 1)"), default=0.01,
                    help="gptq: dampening as a fraction of the Hessian's mean diagonal (default: %(default)s)")
-    p.add_argument("--calib-samples", type=_number(int, lambda v: v >= 1, "must be >= 1"), default=128,
+    p.add_argument("--calib-samples", type=number(int, lambda v: v >= 1, "must be >= 1"), default=128,
                    help="gptq/awq: calibration sequences from the run's training data, rounded up to whole "
                         "batches of TrainConfig.global_batch (default: %(default)s)")
-    p.add_argument("--eval-batches", type=_number(int, lambda v: v >= 1, "must be >= 1"),
+    p.add_argument("--eval-batches", type=number(int, lambda v: v >= 1, "must be >= 1"),
                    help="held-out batches scored (default: the run's TrainConfig.eval_batches)")
-    p.add_argument("--step", type=_number(int, lambda v: v >= 0, "must be >= 0"),
+    p.add_argument("--step", type=number(int, lambda v: v >= 0, "must be >= 0"),
                    help="checkpoint step of the run (default: the newest good one)")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory to create (must not exist)")
     return p
