@@ -259,6 +259,36 @@ class TrainConfig:
     # eval/<task>/<metric>: comma-separated task files or names, as `python -m maxlm.eval --task`
     # takes them (maxlm/eval/tasks.py), e.g. "perplexity:stdlib, data/mmlu_dev.jsonl". "" = none.
     eval_tasks: str = ""
+    # What the run optimises (maxlm.train.tasks / maxlm.posttrain): "pretraining" on DataConfig's
+    # sources, or "sft" on SFTConfig's examples. Each post-training task adds its name here and its
+    # own config section, as SFTConfig does.
+    task: str = "pretraining"
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning data (TrainConfig.task = "sft"; maxlm/data/sft.py has the stages).
+    DataConfig.tokenizer tokenizes it; the chat template is maxlm/data/chat_template.jinja."""
+
+    # JSONL files (globs, ';'-separated) of instruction or chat examples, or synthetic:TASK[:N]
+    # (reverse | upper | sort: N generated examples of a string transformation).
+    data: str = ""
+    eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of each example)
+    eval_fraction: float = 0.05
+    format: str = "auto"  # auto | instruction | chat ("auto" decides per line: "messages" means chat)
+    min_reply_chars: int = 1  # drop examples with an assistant reply shorter than this (counted)
+    normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
+    quality: str = "none"  # a maxlm.data.quality preset judged on each reply: none | web | books | code
+    exact_dedup: bool = True
+    near_dedup: bool = False  # MinHash near-duplicates (maxlm.data.dedup)
+    near_threshold: float = 0.8
+    pii: bool = False  # replace e-mails, phones, IDs ... in every message (maxlm.data.pii)
+    packing_bins: int = 8  # rows open at once in first-fit packing (more bins: less padding)
+    # Held-out prompts answered greedily at the end of the run (and by tests), scored by exact match
+    # of the reply; 0 skips it.
+    eval_prompts: int = 64
+    max_new_tokens: int = 32  # reply length those answers may reach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +299,7 @@ class Config:
     data: DataConfig
     checkpoint: CheckpointConfig
     train: TrainConfig
+    sft: SFTConfig = SFTConfig()
     source: str = "<bindings>"  # the gin file it came from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
@@ -282,7 +313,8 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "train": TrainConfig}
+            "checkpoint": CheckpointConfig, "train": TrainConfig, "sft": SFTConfig}
+TASKS = ("pretraining", "sft")
 
 
 def resolve_path(name: str) -> Path:
@@ -399,6 +431,9 @@ RANGES: dict[str, tuple[float, float, str]] = {
         "z_loss", "peak_flops", "sample_tokens", "spike_sigmas", "spike_warmup", "rollback_after")},
     "TrainConfig.seed": (0, SEED_LIMIT, "[low, high)"), "TrainConfig.spike_window": (2, math.inf, "[low, high)"),
     "TrainConfig.rollback_lr_factor": (0, 1, "(low, high]"),
+    "SFTConfig.eval_fraction": (0, 1, "[low, high)"), "SFTConfig.near_threshold": (0, 1, "(low, high]"),
+    **{f"SFTConfig.{f}": (0, math.inf, ">= 0") for f in ("min_reply_chars", "eval_prompts")},
+    **{f"SFTConfig.{f}": (0, math.inf, "positive") for f in ("packing_bins", "max_new_tokens")},
 }
 
 
@@ -536,6 +571,29 @@ def quant_mesh_problem(m: ModelConfig, degrees: dict[str, int]) -> str | None:
     return None
 
 
+def _check_task(cfg: Config) -> None:
+    """TrainConfig.task known, and its section complete (files are read when the run starts)."""
+    src, sft = cfg.source, cfg.sft
+    _choice(src, "TrainConfig.task", cfg.train.task, TASKS)
+    _choice(src, "SFTConfig.format", sft.format, ("auto", "instruction", "chat"))
+    _choice(src, "SFTConfig.quality", sft.quality, ("none", "web", "books", "code"))
+    if cfg.train.task != "sft":
+        for field in ("data", "eval_data"):  # never silently ignored: the run would not read it
+            if getattr(sft, field):
+                raise ConfigError(f"{src}: SFTConfig.{field} = {getattr(sft, field)!r} is set, but "
+                                  f"TrainConfig.task = {cfg.train.task!r} does not read it (set TrainConfig.task = 'sft')")
+        return
+    if not sft.data.strip():
+        raise ConfigError(f"{src}: TrainConfig.task = 'sft' needs SFTConfig.data (JSONL files, or "
+                          "synthetic:reverse for a generated task)")
+    if not sft.eval_data and sft.eval_fraction == 0 and sft.eval_prompts:
+        raise ConfigError(f"{src}: SFTConfig.eval_prompts = {sft.eval_prompts} needs held-out examples: "
+                          "set SFTConfig.eval_data or SFTConfig.eval_fraction > 0 (or eval_prompts = 0)")
+    if sft.max_new_tokens >= cfg.model.max_seq_len:
+        raise ConfigError(f"{src}: SFTConfig.max_new_tokens = {sft.max_new_tokens} must be below "
+                          f"ModelConfig.max_seq_len = {cfg.model.max_seq_len}")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject inconsistent settings before anything compiles; each failure is one line."""
     _check_types(cfg)
@@ -553,6 +611,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
     _choice(src, "OptimConfig.schedule", o.schedule, ("cosine", "linear", "constant", "wsd"))
     _check_ranges(cfg)
+    _check_task(cfg)
     if m.head_dim == 0 and m.d_model % m.n_heads:
         raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
                           f"ModelConfig.n_heads = {m.n_heads} (set ModelConfig.head_dim explicitly)")

@@ -31,6 +31,9 @@ examples:
   python -m maxlm.generate --checkpoint runs/tiny/checkpoints/760 --prompts prompts.jsonl \\
       --out results.jsonl --no-stream --tensor 2
 
+  # a chat model (python -m maxlm.sft): the prompt is the user's message, in the chat template
+  python -m maxlm.generate --checkpoint runs/sft_tiny --chat --prompt $'Uppercase the word.\n\nhello'
+
   # a Hugging Face directory (config.json + *.safetensors + tokenizer.json)
   python -m maxlm.generate --checkpoint exported/ --prompt 'Hello' --max-new-tokens 32
 
@@ -68,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-token", action="append", default=[], metavar="ID",
                    type=number(int, lambda v: v >= 0, "must be >= 0"),
                    help="stop at this token id (repeatable; default: the tokenizer's end-of-sequence id)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message: rendered with the chat template (maxlm/data/"
+                        "chat_template.jinja, as SFT trained it) and answered as the assistant")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--seed", type=number(int, lambda v: 0 <= v < 2**32, "must lie in [0, 2**32)"), default=0,
                    help="random seed of the sampling, in [0, 2**32) (default: %(default)s)")
@@ -162,7 +168,12 @@ def generate(args: argparse.Namespace) -> int:
     stop_tokens = list(args.stop_token)
     if not stop_tokens and not args.ignore_eos and getattr(tok, "eos_id", None) is not None:
         stop_tokens = [tok.eos_id]
-    ids = [tok.encode(text, add_eos=False) for _, text in prompts]
+    if args.chat:
+        from maxlm.data import chat
+
+        ids = [chat.encode_prompt(tok, [{"role": "user", "content": text}]) for _, text in prompts]
+    else:
+        ids = [tok.encode(text, add_eos=False) for _, text in prompts]
     for (where, _), p in zip(prompts, ids):  # before anything is printed
         if len(p) >= cfg.max_seq_len:
             raise UserError(f"{where}: prompt has {len(p)} tokens; the context (ModelConfig.max_seq_len = "
@@ -180,14 +191,17 @@ def generate(args: argparse.Namespace) -> int:
                          on_progress=stream)
     except gen.PromptError as err:
         raise UserError(f"{prompts[err.index][0]}: {err}") from None
+    texts = result.texts
+    if args.chat:  # the reply as the template reads it back (without its closing newline)
+        texts = [chat.read_reply(t) for t in texts]
     if args.no_stream:
-        for label, (_, text), completion in zip(labels, prompts, result.texts):
+        for label, (_, text), completion in zip(labels, prompts, texts):
             print(f"{label or text}{completion}")
     if args.out:
         _write_jsonl(args.out, [dict(prompt=text, completion=completion, tokens=[int(t) for t in new],
                                      finish_reason=finish)
                                 for (_, text), completion, new, finish in
-                                zip(prompts, result.texts, result.tokens, result.finish)])
+                                zip(prompts, texts, result.tokens, result.finish)])
     print(result.summary() + f"; from {loaded.source}", flush=True)
     return 0
 

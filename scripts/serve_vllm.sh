@@ -11,7 +11,7 @@ usage: bash scripts/serve_vllm.sh DIR [--cpu] [--port N] [--host H] [--check] [-
 Starts `python -m vllm.entrypoints.openai.api_server --model DIR` with flags read from DIR:
   --dtype            config.json's torch_dtype (or dtype)
   --max-model-len    config.json's max_position_embeddings (or n_positions)
-  --chat-template    maxlm/serve/chat_template.jinja when tokenizer_config.json has none
+  --chat-template    maxlm/data/chat_template.jinja when tokenizer_config.json has none
   on GPU:  --tensor-parallel-size = visible GPUs, --gpu-memory-utilization 0.90
   on CPU (--cpu, or no GPU visible): VLLM_CPU_KVCACHE_SPACE=1 (GiB), OMP threads bound to this
            process's cores, VLLM_CACHE_ROOT in a temporary folder
@@ -95,8 +95,8 @@ args=(--model "$dir" --host "$host" --port "$port")
 has_flag --dtype || args+=(--dtype "$dtype")
 if [ "$max_len" != "-" ] && ! has_flag --max-model-len; then args+=(--max-model-len "$max_len"); fi
 if [ "$has_template" = 0 ] && ! has_flag --chat-template; then
-  args+=(--chat-template "$HERE/../maxlm/serve/chat_template.jinja")
-  template_note="maxlm/serve/chat_template.jinja (the export has no chat template)"
+  args+=(--chat-template "$HERE/../maxlm/data/chat_template.jinja")
+  template_note="maxlm/data/chat_template.jinja (the export has no chat template)"
 else
   template_note="the export's"
 fi

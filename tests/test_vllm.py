@@ -47,7 +47,7 @@ SEED = 4
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "vLLM, meet maxlm: 一二三 ñ", "a" * 150,
            "<|eos|> is text here"]  # the byte tokenizer spells special-token strings in text as bytes
 CHAT = [{"role": "user", "content": "Say hello."}]
-# What maxlm/serve/chat_template.jinja renders CHAT to (with the generation prompt).
+# What maxlm/data/chat_template.jinja renders CHAT to (with the generation prompt).
 CHAT_TEXT = "<|user|>\nSay hello.\n<|assistant|>\n"
 LOGPROB_ATOL = 1e-3
 # Extra vLLM arguments. --enforce-eager (no torch.compile) starts the engine 1-2 minutes sooner;
@@ -262,8 +262,8 @@ def test_openai_client_completion_and_chat(server, exported, reference):
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     assert isinstance(out.choices[0].text, str)
 
-    # The chat template (maxlm/serve/chat_template.jinja, passed by serve_vllm.sh since the export has
-    # none) renders CHAT_TEXT; with add_special_tokens the tokenizer puts bos first, as maxlm does.
+    # The chat template (maxlm/data/chat_template.jinja, which the export writes into its
+    # tokenizer_config.json) renders CHAT_TEXT; with add_special_tokens the tokenizer puts bos first, as maxlm does.
     chat = client.chat.completions.create(
         model=model_name, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0.0,
         extra_body={"ignore_eos": True, "add_special_tokens": True, "return_token_ids": True,

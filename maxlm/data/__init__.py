@@ -2,7 +2,8 @@
 
 What the trainer uses: ``make_train_iterator``, ``make_eval_batches``, ``get_tokenizer``; for config
 validation ``check_config`` and ``check_vocab``; ``DataStateMismatch`` is raised by
-``iterator.set_state`` when a checkpoint's data state belongs to another pipeline.
+``iterator.set_state`` when a checkpoint's data state belongs to another pipeline. Post-training
+data: ``sft`` (instruction and chat JSONL -> masked, packed rows) and ``chat`` (the one chat template).
 """
 
 from maxlm.data.pipeline import DataIterator, DataStateMismatch, make_eval_batches, make_train_iterator

@@ -35,6 +35,7 @@ import ml_dtypes  # registers bfloat16 with numpy, so safetensors can write it
 import numpy as np
 
 from maxlm.config import ModelConfig
+from maxlm.data import chat
 from maxlm.data.atomic import file_sha256
 from maxlm.hf.convert import export_params
 from maxlm.hf.hf_config import SUPPORTED, HFExportError, config_to_hf
@@ -228,8 +229,10 @@ def _write_tokenizer(loaded: Any, stage: Path, cfg: ModelConfig) -> str:
         return f"tokenizer copied from {src}" if copied else "no tokenizer"
     if loaded.tokenizer is None:
         return "no tokenizer"
-    write_tokenizer(loaded.tokenizer, stage, model_max_length=cfg.max_seq_len)
-    return f"{loaded.tokenizer.name} tokenizer"
+    # maxlm's one chat template (maxlm/data/chat_template.jinja), so transformers' apply_chat_template
+    # and vLLM render prompts exactly as SFT trained them.
+    write_tokenizer(loaded.tokenizer, stage, model_max_length=cfg.max_seq_len, chat_template=chat.template_text())
+    return f"{loaded.tokenizer.name} tokenizer and chat template"
 
 
 def _note(message: str) -> None:

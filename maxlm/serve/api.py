@@ -27,10 +27,11 @@ import jinja2.sandbox
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from maxlm.data import chat
 from maxlm.serve.engine import Draining, Engine, Output, QueueFull, RequestError
 from maxlm.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 
-DEFAULT_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+DEFAULT_CHAT_TEMPLATE = chat.TEMPLATE_PATH  # the one template, shared with SFT and the export
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 

@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --checkpoint)")
     p.add_argument("--chat-template", metavar="FILE.jinja",
                    help="Jinja chat template (default: the checkpoint's tokenizer_config.json chat_template, "
-                        "else maxlm/serve/chat_template.jinja)")
+                        "else maxlm/data/chat_template.jinja)")
     p.add_argument("--max-num-seqs", type=_int(1), default=d.max_num_seqs,
                    help="requests decoded together at most (default: %(default)s)")
     p.add_argument("--max-queue", type=_int(1), default=d.max_queue,

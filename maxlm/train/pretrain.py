@@ -1,6 +1,7 @@
 """``python -m maxlm.train --config=tiny.gin``: pre-train a model as configured.
 
-``train`` builds the mesh, the pre-training task and the loop, and runs it; the loop
+``train`` builds the mesh, the task TrainConfig.task names (pre-training here, post-training tasks
+from ``maxlm.posttrain``) and the loop, and runs it; the loop
 (``maxlm.train.loop``) and the step (``maxlm.train.step``) are shared with every other task.
 """
 
@@ -10,7 +11,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -32,10 +33,12 @@ SIGTERM or Ctrl-C saves and exits 0; rerun the command to continue.
 Watch a run with: tensorboard --logdir RUN_DIR/tensorboard"""
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m maxlm.train", description=__doc__.splitlines()[0],
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny.gin", help="gin file, or a bare name in configs/ (default: tiny.gin)")
+def parse_args(argv: Sequence[str] | None, prog: str = "python -m maxlm.train", description: str | None = None,
+               epilog: str = EPILOG, default_config: str = "tiny.gin") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0],
+                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_config,
+                   help=f"gin file, or a bare name in configs/ (default: {default_config})")
     p.add_argument("--gin_bindings", action="append", default=[], metavar="BINDING",
                    help="override one field, e.g. 'TrainConfig.steps=100' (repeatable)")
     p.add_argument("--run_dir", help="where checkpoints and records go (overrides TrainConfig.run_dir)")
@@ -56,10 +59,20 @@ def load_config(args: argparse.Namespace) -> config.Config:
     return config.load(args.config, bindings, num_devices=jax.device_count())
 
 
-def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
-    """Run (or resume) pre-training as configured; returns a summary of the run."""
+def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = False,
+          build_task: Callable | None = None) -> dict[str, Any]:
+    """Run (or resume) the task TrainConfig.task names; returns a summary of the run. Tasks other
+    than pre-training come from ``build_task(cfg, forward)`` (``maxlm.posttrain.build_task``: the
+    commands pass it in, since this package sits below posttrain)."""
     mesh = sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
-    task = tasks.pretraining(cfg, step.model_forward(cfg, mesh))
+    forward = step.model_forward(cfg, mesh)
+    if cfg.train.task == "pretraining":
+        task = tasks.pretraining(cfg, forward)
+    elif build_task is None:
+        raise config.ConfigError(f"{cfg.source}: TrainConfig.task = {cfg.train.task!r} needs its task "
+                                 "builder (run it with python -m maxlm.train or python -m maxlm.sft)")
+    else:
+        task = build_task(cfg, forward)
     return loop.run(cfg, task, mesh, resume_from=resume_from, fresh=fresh)
 
 
@@ -72,23 +85,29 @@ def _fail(message: str) -> int:
     return 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, build_task: Callable | None = None, name: str = "maxlm.train",
+         task: str | None = None, **parser: Any) -> int:
+    """The command line of ``python -m maxlm.train`` (and, with ``task="sft"``, of
+    ``python -m maxlm.sft``, which insists that the config trains that task)."""
     if argv is None:  # the command line, not a call from Python: run on huge-page malloc
         allocator.use_huge_pages()
-    args = parse_args(argv)
+    args = parse_args(argv, prog=f"python -m {name}", **parser)
     try:
         distributed.initialize(args)  # before anything touches a device
         cfg = load_config(args)
-        train(cfg, resume_from=args.resume_from, fresh=args.fresh)
+        if task is not None and cfg.train.task != task:
+            raise config.ConfigError(f"{cfg.source}: TrainConfig.task = {cfg.train.task!r}, but {name} "
+                                     f"runs {task!r} (set TrainConfig.task = {task!r})")
+        train(cfg, resume_from=args.resume_from, fresh=args.fresh, build_task=build_task)
     except config.ConfigError as err:
-        print(f"maxlm.train: config error: {err}", file=sys.stderr)
+        print(f"{name}: config error: {err}", file=sys.stderr)
         return 2
     except distributed.DistributedError as err:
-        print(f"maxlm.train: {err}", file=sys.stderr)
+        print(f"{name}: {err}", file=sys.stderr)
         return 2
     except (checkpoint.CheckpointError, TrainingError) as err:
-        return _fail(f"maxlm.train: error: {err}")
+        return _fail(f"{name}: error: {err}")
     except OSError as err:  # the run directory's disk: full, read-only, vanished, no permission
         where = f" ({err.filename})" if err.filename else ""
-        return _fail(f"maxlm.train: error: {err.strerror or err}{where}; the last good checkpoint is intact")
+        return _fail(f"{name}: error: {err.strerror or err}{where}; the last good checkpoint is intact")
     return 0
