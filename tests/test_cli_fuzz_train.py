@@ -35,7 +35,8 @@ CASES = [(f"{cls.__name__}.{f.name}", value)
          for cls in config.SECTIONS.values() for f in dataclasses.fields(cls)
          for value in bad_values(f"{cls.__name__}.{f.name}", f.type)
          # Free-form strings (paths, sources, names) are checked where they are used.
-         if not (f.type == "str" and f.name in ("source", "weights", "tokenizer", "run_dir", "init_params"))
+         if not (f.type == "str" and f.name in ("source", "weights", "tokenizer", "run_dir", "init_params", "init_from",
+                                                  "data", "eval_data"))
          # An empty task list means no tasks; unknown task names are still refused.
          and not (f.name == "eval_tasks" and value == "''")]
 
