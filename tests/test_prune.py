@@ -276,7 +276,9 @@ def test_cli_prunes_fine_tunes_and_writes_a_run_directory(trained, tmp_path, cap
     for line in ("held-out perplexity, original", "pruned (importance)", "pruned (random, seed 0)",
                  "fine-tuned", "parameters: ", "training FLOPs per token"):
         assert line in text, line
-    assert ppl["original"] < ppl["pruned"] and np.isfinite(ppl["finetuned"])
+    # Pruning changed the model (on this barely trained fixture, removing a head can even lower the
+    # perplexity: jax 0.12 measured 32.36 -> 31.26); the ranking tests check that it costs less than random.
+    assert ppl["original"] != ppl["pruned"] and np.isfinite(ppl["finetuned"])
     assert report["model"] == {"n_layers": [3, 3], "n_heads": [4, 3], "n_kv_heads": [0, 0]}
 
     # the pruned model (before fine-tuning) is the original sliced as the report says

@@ -10,6 +10,7 @@ jaxlib, so agreement is strong evidence, not proof; the GPU run stays the final 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -44,7 +45,16 @@ def triton_ir(m: int, k: int, n: int, group: int, dtype=jnp.bfloat16, **blocks) 
     fn = jax.jit(functools.partial(int4_matmul_pallas, interpret=False, **params))
     args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k // PACK, n), jnp.int32),
             jax.ShapeDtypeStruct((k // group, n), jnp.float32))
-    with mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture))
+        try:  # jax >= 0.11 asks which GPU it lowers for: say an H100 (sm_90), as no GPU is here
+            from jax._src.pallas.triton import pallas_call_registration  # noqa: PLC0415
+            gpu_info = getattr(pallas_call_registration, "gpu_info_lib", None)
+        except ImportError:
+            gpu_info = None
+        if gpu_info is not None:
+            h100 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)
+            stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h100))
         try:
             fn.trace(*args).lower(lowering_platforms=("cuda",))
         except Exception:
