@@ -4,6 +4,9 @@ numbers checked as they are parsed, and the exception for a user's mistake found
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -31,3 +34,27 @@ def number(kind: type, check: Callable[[Any], bool], what: str) -> Callable[[str
             raise argparse.ArgumentTypeError(f"{text} {what}")
         return value
     return parse
+
+
+def check_new_dir(out: str, prog: str) -> Path:
+    """``--out``: a directory to create, which must not exist yet, in a writable parent."""
+    path = Path(out).expanduser()
+    if not out.strip():
+        raise UserError("--out: an empty path is not allowed")
+    if os.path.lexists(path):
+        raise UserError(f"{out}: --out already exists; {prog} never overwrites (choose another --out)")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"{out}: --out's directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{out}: cannot write in {parent}")
+    return path.resolve()
+
+
+def run_command(prog: str, command: Callable[[Any], int], args: Any) -> int:
+    """``command(args)``, with a UserError as one line on stderr and exit status 2."""
+    try:
+        return command(args)
+    except UserError as err:
+        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2

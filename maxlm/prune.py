@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from maxlm.cli_args import OneLineParser, UserError, number
+from maxlm.cli_args import OneLineParser, UserError, check_new_dir, number, run_command
 
 EXAMPLES = """\
 examples:
@@ -90,34 +90,6 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _check_out(out: str) -> Path:
-    path = Path(out).expanduser()
-    if not out.strip():
-        raise UserError("--out: an empty path is not allowed")
-    if os.path.lexists(path):
-        raise UserError(f"{out}: --out already exists; {PROG} never overwrites (choose another --out)")
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise UserError(f"{out}: --out's directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{out}: cannot write in {parent}")
-    return path.resolve()
-
-
-def _data(run_cfg, args) -> tuple[list, list]:
-    """(calibration batches, held-out batches) of the run's data."""
-    from maxlm.config import ConfigError
-    from maxlm.quant import calibrate
-
-    try:
-        held = calibrate.heldout_batches(run_cfg, args.eval_batches or run_cfg.train.eval_batches)
-        calib = []
-        if args.method != "random":
-            calib = calibrate.calibration_batches(run_cfg, -(-args.calib_samples // run_cfg.train.global_batch))
-    except (ConfigError, ValueError, OSError) as err:
-        raise UserError(f"{args.checkpoint}: cannot read the run's data "
-                        f"(DataConfig.source = {run_cfg.data.source!r}): {' '.join(str(err).split())}") from None
-    return calib, held
 
 
 def _prune(args, m, params, calib, method: str, log=None) -> tuple[Any, Any, dict]:
@@ -218,7 +190,7 @@ def _change(before: float, after: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = _check_out(args.out)
+    out = check_new_dir(args.out, PROG)
     start = time.perf_counter()
 
     import jax
@@ -248,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     except prune.PruneError as err:
         raise UserError(str(err)) from None
     say(f"{PROG}: removing {what} by {args.method}; from {loaded.source}")
-    calib, held = _data(run_cfg, args)
+    calib, held = calibrate.run_batches(run_cfg, args, calibrate=args.method != "random")
     tokens = sum(int(b["weights"].sum()) for b in held)
     before = calibrate.perplexity(m, loaded.params, held)
     say(f"held-out perplexity, original: {before:.4f} ({tokens:,} tokens)")
@@ -307,11 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return run(args)
-    except UserError as err:
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+    return run_command(PROG, run, args)
 
 
 if __name__ == "__main__":

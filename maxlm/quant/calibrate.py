@@ -52,6 +52,21 @@ def heldout_batches(cfg: Config, count: int, batch_size: int | None = None) -> l
     return [_host(b) for b in eval_batches()]
 
 
+def run_batches(cfg: Config, args: Any, calibrate: bool) -> tuple[list, list]:
+    """(calibration batches, held-out batches) of a run's own data for a command's ``args``
+    (``checkpoint``, ``calib_samples``, ``eval_batches``); unreadable data is a one-line UserError."""
+    from maxlm.cli_args import UserError
+    from maxlm.config import ConfigError
+
+    try:
+        held = heldout_batches(cfg, args.eval_batches or cfg.train.eval_batches)
+        calib = calibration_batches(cfg, -(-args.calib_samples // cfg.train.global_batch)) if calibrate else []
+    except (ConfigError, ValueError, OSError) as err:
+        raise UserError(f"{args.checkpoint}: cannot read the run's data "
+                        f"(DataConfig.source = {cfg.data.source!r}): {' '.join(str(err).split())}") from None
+    return calib, held
+
+
 @functools.lru_cache(maxsize=16)
 def _nll_fn(model_cfg: ModelConfig):
     """(summed NLL, summed weight) of one batch, jitted once per model config."""

@@ -14,12 +14,11 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from maxlm.cli_args import OneLineParser, UserError, number
+from maxlm.cli_args import OneLineParser, UserError, check_new_dir, number, run_command
 
 EXAMPLES = """\
 policies:
@@ -81,19 +80,6 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _check_out(out: str) -> Path:
-    path = Path(out).expanduser()
-    if not out.strip():
-        raise UserError("--out: an empty path is not allowed")
-    if os.path.lexists(path):
-        raise UserError(f"{out}: --out already exists; maxlm.quantize never overwrites (choose another --out)")
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise UserError(f"{out}: --out's directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{out}: cannot write in {parent}")
-    return path.resolve()
-
 
 def _check_options(args: argparse.Namespace) -> None:
     if args.policy == "layered" and args.bits is not None:
@@ -122,22 +108,6 @@ def _quantized_run_config(args, run_cfg) -> Any:
         raise UserError(f"{flag}: {detail}") from None
     return cfg
 
-
-def _data(run_cfg, args) -> tuple[list, list]:
-    """(calibration batches, held-out batches) of the run's data."""
-    from maxlm.config import ConfigError
-    from maxlm.quant import calibrate
-
-    try:
-        held = calibrate.heldout_batches(run_cfg, args.eval_batches or run_cfg.train.eval_batches)
-        calib = []
-        if args.method != "rtn":
-            count = -(-args.calib_samples // run_cfg.train.global_batch)
-            calib = calibrate.calibration_batches(run_cfg, count)
-    except (ConfigError, ValueError, OSError) as err:
-        raise UserError(f"{args.checkpoint}: cannot read the run's data "
-                        f"(DataConfig.source = {run_cfg.data.source!r}): {' '.join(str(err).split())}") from None
-    return calib, held
 
 
 def _write(out: Path, cfg, params: Any, step: int, report: dict) -> None:
@@ -178,7 +148,7 @@ def _bf16_rounded(x):
 
 def quantize(args: argparse.Namespace) -> int:
     _check_options(args)
-    out = _check_out(args.out)
+    out = check_new_dir(args.out, "maxlm.quantize")
     start = time.perf_counter()
 
     import jax
@@ -204,7 +174,7 @@ def quantize(args: argparse.Namespace) -> int:
     qmodel = dataclasses.replace(cfg.model, dtype=m.dtype, remat="none")
     say(f"maxlm.quantize: {args.method} {qmodel.linear_rules} embedding {qmodel.embedding}, int4 group "
         f"{qmodel.quant_group}, int8 group {qmodel.int8_group or 'per channel'}; from {loaded.source}")
-    calib, held = _data(loaded.run_config, args)
+    calib, held = calibrate.run_batches(loaded.run_config, args, calibrate=args.method != "rtn")
     tokens = sum(int(b["weights"].sum()) for b in held)
     before = calibrate.perplexity(m, loaded.params, held)
     say(f"held-out perplexity, original: {before:.4f} ({tokens:,} tokens)")
@@ -249,8 +219,4 @@ def quantize(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return quantize(args)
-    except UserError as err:
-        print(f"maxlm.quantize: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+    return run_command("maxlm.quantize", quantize, args)
