@@ -173,8 +173,10 @@ class Loop:
             params = checkpoint.restore_params(tc.init_params, self.abstract.params, self.shardings.params)
             say(f"initialised parameters from {tc.init_params}")
         elif tc.init_from:  # parameters only: the optimizer starts fresh, at step 0
-            step_dir = self.warm_dir or warm_start_dir(cfg)
-            check_warm_start(cfg, step_dir, self.abstract.params)
+            step_dir = getattr(self, "warm_dir", None)  # found and checked by run() before the run dir is touched
+            if step_dir is None:
+                step_dir = warm_start_dir(cfg)
+                check_warm_start(cfg, step_dir, self.abstract.params)
             params = checkpoint.restore_state_params(step_dir, self.abstract.params, self.shardings.params)
             say(f"warm start: parameters from {step_dir}")
         return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable), False
