@@ -72,6 +72,46 @@ def test_kernel_matches_dequantize_then_matmul(m, k, n, group, dtype, blocks):
     assert np.max(np.abs(np.asarray(got.astype(F32)) - ref)) <= 2 * TOL[dtype] * np.max(np.abs(ref))
 
 
+# The experimental variants (kernel.VARIANTS) against the same truth: M 1, 5, 16; groups 128 and 64;
+# N off the block grid; K tails (320, 384 are not whole 256-row steps); split-K with an idle split.
+VARIANT_CASES = [
+    ("dot_perm", 1, 320, 80, 64, BF16, {}),
+    ("dot_perm", 16, 512, 48, 128, F16, dict(k_splits=2)),
+    ("dot_wide", 5, 384, 40, 128, BF16, {}),
+    ("dot_wide", 16, 320, 64, 64, F32, {}),
+    ("dot_wide", 1, 256, 48, 128, F16, dict(block_k=128)),
+    ("gemv", 1, 384, 80, 128, BF16, {}),
+    ("gemv", 5, 320, 48, 64, F16, dict(block_m=4, k_splits=2)),
+    ("gemv", 16, 512, 40, 128, F32, dict(block_m=4, block_k=128, block_n=32)),
+    ("gemv", 1, 256, 64, 64, F32, dict(block_n=16, block_k=128, k_splits=3)),
+    ("gemv", 5, 1024, 32, 128, BF16, dict(block_m=2, block_k=512, k_splits=4)),
+    ("gemv_strided", 5, 320, 48, 64, BF16, {}),
+    ("gemv_strided", 1, 384, 72, 128, F16, dict(k_splits=2)),
+]
+
+
+@pytest.mark.parametrize("variant,m,k,n,group,dtype,blocks", VARIANT_CASES)
+def test_variant_matches_dequantize_then_matmul(variant, m, k, n, group, dtype, blocks):
+    x, qweight, scales = _problem(m, k, n, group, dtype, seed=m)
+    got = int4.int4_matmul(x, qweight, scales, impl="pallas", variant=variant, **blocks)
+    assert got.dtype == dtype and got.shape == (m, n)
+    _assert_close(got, _exact(x, qweight, scales), dtype)
+    ref = np.asarray(int4.int4_matmul_reference(x, qweight, scales).astype(F32), np.float64)
+    assert np.max(np.abs(np.asarray(got.astype(F32)) - ref)) <= 2 * TOL[dtype] * np.max(np.abs(ref))
+
+
+def test_permute_x_is_nibble_major_and_zero_padded():
+    from maxlm.kernels.int4_matmul.kernel import permute_x  # noqa: PLC0415
+    x = np.arange(3 * 200, dtype=np.float32).reshape(3, 200)
+    xp = np.asarray(permute_x(jnp.asarray(x), 128))
+    assert xp.shape == (3, 256)
+    for c in (0, 128):
+        for j in range(8):
+            for i in range(16):
+                col = c + 8 * i + j
+                assert xp[1, c + 16 * j + i] == (x[1, col] if col < 200 else 0)
+
+
 def test_entry_point_dispatch_and_shapes():
     x, qweight, scales = _problem(6, 256, 48, 128, BF16)
     if jax.default_backend() != "gpu":  # off GPU, "auto" is XLA's dequantize-then-matmul, bit for bit
@@ -115,6 +155,9 @@ def test_gradients_match_the_xla_path():
     (dict(impl="pallas", block_n=8), r"block_n 8 must be a power of two >= 16"),
     (dict(impl="pallas", block_k=192), r"block_k 192 must be a positive multiple of 128"),
     (dict(impl="pallas", k_splits=0), r"k_splits 0 must be >= 1"),
+    (dict(impl="pallas", variant="mma"), r"variant 'mma' must be one of dot, dot_perm, dot_wide, gemv, gemv_strided"),
+    (dict(impl="pallas", variant="gemv", block_m=32), r"block_m 32 must be a power of two <= 16 for variant gemv"),
+    (dict(impl="pallas", variant="gemv", block_k=384), r"block_k 384 must be a power of two >= 128 for variant gemv"),
 ])
 def test_bad_input_is_one_clear_error(change, message):
     args = dict(x=jnp.zeros((2, 256), BF16), qweight=jnp.zeros((32, 16), jnp.int32), scales=jnp.ones((2, 16), F32))
@@ -210,4 +253,29 @@ def test_compiles_for_sm90(m, k, n, group, dtype, blocks):
     if dtype != F32:  # Triton's fp32 dot is IEEE on CUDA cores; 16-bit dots use the tensor cores
         assert "mma.sync" in ptx or "wgmma" in ptx
     if group % 128 == 0:  # the magic-number dequantisation: no int->float convert per weight
+        assert _int_to_float_converts(ptx) == []
+
+
+@pytest.mark.parametrize("variant,m,group,dtype,blocks", [
+    ("dot_perm", 1, 128, BF16, {}),
+    ("dot_wide", 16, 128, BF16, {}),
+    ("gemv", 1, 128, BF16, {}),
+    ("gemv", 4, 128, BF16, dict(block_n=128, block_k=512, k_splits=8, num_warps=8)),
+    ("gemv_strided", 1, 128, BF16, dict(block_n=128)),
+    pytest.param("dot_wide", 64, 64, F16, {}, marks=pytest.mark.slow),
+])
+def test_variants_compile_for_sm90(variant, m, group, dtype, blocks):
+    pytest.importorskip("triton")
+    k = n = 4096
+    params = {**int4.default_blocks(m, k, n, variant), **blocks}
+    compiled = offline.compile_ir(_triton_ir(m, k, n, group, dtype, variant=variant, **blocks),
+                                  num_warps=params["num_warps"], num_stages=params["num_stages"])
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 227 * 1024, "fits Hopper's shared memory per block"
+    if variant.startswith("gemv"):  # CUDA cores only: fp32 FMAs, no tensor-core instruction
+        assert "mma.sync" not in ptx and "wgmma" not in ptx
+        assert re.search(r"\bfma\.rn\.f32\b", ptx)
+    else:
+        assert "mma.sync" in ptx or "wgmma" in ptx
+    if group % 128 == 0:
         assert _int_to_float_converts(ptx) == []

@@ -24,7 +24,8 @@ from maxlm.kernels.int4_matmul.reference import PACK
 
 
 def triton_ir(m: int, k: int, n: int, group: int, dtype=jnp.bfloat16, **blocks) -> str:
-    """The kernel's Triton IR (text) for x [m, k] · W [k, n], lowered for CUDA here.
+    """The kernel's Triton IR (text) for x [m, k] · W [k, n], lowered for CUDA here (``blocks`` may
+    name a ``variant``; missing block settings come from ``default_blocks`` for it).
 
     The module is taken from Pallas' private ``lower_jaxpr_to_triton_module`` (jax 0.10-0.11);
     on jax >= 0.11 lowering then compiles through the GPU plugin, which fails without a GPU once
@@ -41,7 +42,7 @@ def triton_ir(m: int, k: int, n: int, group: int, dtype=jnp.bfloat16, **blocks) 
         captured.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
-    params = {**default_blocks(m, k, n), **blocks}
+    params = {**default_blocks(m, k, n, blocks.get("variant", "dot")), **blocks}
     fn = jax.jit(functools.partial(int4_matmul_pallas, interpret=False, **params))
     args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k // PACK, n), jnp.int32),
             jax.ShapeDtypeStruct((k // group, n), jnp.float32))

@@ -43,14 +43,15 @@ def _backend() -> str:
 def int4_matmul(x: jax.Array, qweight: jax.Array, scales: jax.Array, *, impl: str = "auto",
                 interpret: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> jax.Array:
+                num_stages: int | None = None, variant: str = "dot") -> jax.Array:
     """x [..., K] · W [K, N] -> [..., N] in x's dtype, fp32 accumulation, where W is stored as
     ``qweight`` [K // 8, N] int32 and ``scales`` [K // group, N] (the format in ``reference``).
 
     impl: "pallas" (the fused kernel), "xla" (dequantize, then jnp.dot), "auto" (pallas on GPU
     for bf16/fp16 activations, and fp32 at M <= 64; xla elsewhere). interpret: run the kernel in Pallas interpret
     mode; None means on every backend but GPU. Block arguments left None take
-    ``kernel.default_blocks`` for the shape. Differentiable in x and scales (the backward is the
+    ``kernel.default_blocks`` for the shape and ``variant`` (one of ``kernel.VARIANTS``: "dot", the
+    default, or the experimental "dot_perm", "dot_wide", "gemv", "gemv_strided"). Differentiable in x and scales (the backward is the
     XLA path); qweight is integer and gets no gradient.
     """
     if impl not in IMPLS:
@@ -66,12 +67,15 @@ def int4_matmul(x: jax.Array, qweight: jax.Array, scales: jax.Array, *, impl: st
             *x.shape[:-1], qweight.shape[1])
     if jnp.dtype(x.dtype) not in K.MAGIC:
         raise ValueError(f"int4_matmul: the pallas kernel takes bfloat16, float16 or float32 x, got {x.dtype}")
-    blocks = K.default_blocks(m, x.shape[-1], qweight.shape[1])
+    if variant not in K.VARIANTS:
+        raise ValueError(f"int4_matmul: variant {variant!r} must be one of {', '.join(K.VARIANTS)}")
+    blocks = K.default_blocks(m, x.shape[-1], qweight.shape[1], variant)
     given = dict(zip(_BLOCK_KEYS, (block_m, block_n, block_k, k_splits, num_warps, num_stages)))
     blocks.update({key: v for key, v in given.items() if v is not None})
-    if problem := K.check_blocks(blocks["block_m"], blocks["block_n"], blocks["block_k"], blocks["k_splits"]):
+    if problem := K.check_blocks(blocks["block_m"], blocks["block_n"], blocks["block_k"], blocks["k_splits"],
+                                  variant):
         raise ValueError(f"int4_matmul: {problem}")
-    cfg = tuple(sorted(blocks.items())) + (("interpret", (not on_gpu) if interpret is None else bool(interpret)),)
+    cfg = tuple(sorted(blocks.items())) + (("variant", variant), ("interpret", (not on_gpu) if interpret is None else bool(interpret)),)
     out = _pallas(x.reshape(m, x.shape[-1]), qweight, scales, cfg)
     return out.reshape(*x.shape[:-1], qweight.shape[1])
 
