@@ -20,6 +20,8 @@ import gin
 from maxlm import rules
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# A config may `include 'sft_tiny.gin'`: gin looks for included files here too.
+gin.add_config_file_search_path(str(CONFIG_DIR))
 
 
 # Implementations of the linear seam (maxlm.model.linear registers one function per name).
@@ -78,6 +80,14 @@ class ModelConfig:
     # The token embedding's storage: dense, or int8/int4 rows dequantized at lookup (stored as the
     # transposed table in the Linear format, so a tied LM head is that quantized Linear).
     embedding: str = "dense"
+    # LoRA (maxlm.model.lora): low-rank adapters A [in, r] and B [r, out] beside every Linear whose
+    # path lora_targets re.search-es, y = x W + (lora_alpha / lora_rank) dropout(x) A B. They add to
+    # whatever implementation the Linear has, so LoRA over an int4 base is QLoRA. 0 = no adapters.
+    # A run with adapters trains only them (the base is frozen and has no optimizer state).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0  # on the adapters' input while training; evaluation never drops
+    lora_targets: str = r"attn/(q|v)_proj$"  # e.g. "attn/|mlp/" for every attention and MLP Linear
 
     def __post_init__(self):
         # gin writes lists where Python writes tuples: keep the frozen config hashable.
@@ -109,6 +119,13 @@ class ModelConfig:
         out.update({"mlp/up_proj": d, "mlp/down_proj": ("ModelConfig.d_ff", self.d_ff, "mlp"), "lm_head": d})
         return out
 
+    def lora_paths(self) -> list[str]:
+        """The Linear paths that carry adapters (none without lora_rank; a tied head has no kernel)."""
+        if not self.lora_rank:
+            return []
+        return [p for p in self.linear_inputs() if re.search(self.lora_targets, p)
+                and not (p == "lm_head" and self.tie_embeddings)]
+
     def linear_impl(self, path: str) -> str:
         """The implementation of the Linear at ``path``: the first matching rule's, else ``linear``."""
         for pattern, impl in self.linear_rules:
@@ -133,6 +150,7 @@ class ModelConfig:
                 "act_embed": ("ModelConfig.d_model", self.d_model),
                 "head_dim": ("ModelConfig.head_dim", self.dim_per_head),
                 "layers": ("ModelConfig.n_layers", self.n_layers),
+                "lora_rank": ("ModelConfig.lora_rank", self.lora_rank),
                 "length": ("ModelConfig.max_seq_len", self.max_seq_len)}
 
 
@@ -260,7 +278,8 @@ class TrainConfig:
     # takes them (maxlm/eval/tasks.py), e.g. "perplexity:stdlib, data/mmlu_dev.jsonl". "" = none.
     eval_tasks: str = ""
     # What the run optimises (maxlm.train.tasks / maxlm.posttrain): "pretraining" on DataConfig's
-    # sources, or "sft" on SFTConfig's examples. Each post-training task adds its name here and its
+    # sources, "sft" on SFTConfig's examples, or "distill" (DistillConfig: a teacher's logits on
+    # DataConfig's sources), "dpo" (DPOConfig: preference pairs). Each post-training task adds its name here and its
     # own config section, as SFTConfig does.
     task: str = "pretraining"
 
@@ -272,7 +291,7 @@ class SFTConfig:
     DataConfig.tokenizer tokenizes it; the chat template is maxlm/data/chat_template.jinja."""
 
     # JSONL files (globs, ';'-separated) of instruction or chat examples, or synthetic:TASK[:N]
-    # (reverse | upper | sort: N generated examples of a string transformation).
+    # (reverse | upper | sort | capitalize, or a mixture a+b: N generated examples of a string transformation).
     data: str = ""
     eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of each example)
     eval_fraction: float = 0.05
@@ -291,6 +310,76 @@ class SFTConfig:
     max_new_tokens: int = 32  # reply length those answers may reach
 
 
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Knowledge distillation (TrainConfig.task = "distill"; maxlm/posttrain/distill.py): the model
+    of ModelConfig, the student, learns from a trained teacher on DataConfig's data. The loss is
+    logit_weight * (alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE) + feature_weight * F,
+    over the loss-bearing tokens; F matches student hidden states, projected to the teacher's width
+    by a trained linear map, to the teacher's at feature_layers. Teacher and student share the
+    tokenizer and vocabulary; each has its own size and its own sharding on the run's mesh."""
+
+    # The teacher: a run directory (its newest good checkpoint) or RUN_DIR/checkpoints/STEP; its
+    # config.gin gives its ModelConfig. A `maxlm.hf import` directory (config.gin + params/) too.
+    teacher: str = ""
+    alpha: float = 0.5  # weight of the KL term; 1 - alpha weighs the data's cross-entropy
+    temperature: float = 2.0  # both distributions are softened by it; T^2 keeps the KL's gradient scale
+    logit_weight: float = 1.0  # 0: feature matching alone (the first stage of the two-stage recipe)
+    # "online": the teacher runs inside every step. A directory: the teacher's top_k log-probs per
+    # token, computed once per batch and kept there as .npz shards under a fingerprint of teacher,
+    # data and top_k (a cache made for another teacher or data is refused); later runs read them.
+    teacher_logits: str = "online"
+    top_k: int = 64  # cached log-probs per token; the KL is over them, renormalised (exact if >= vocab)
+    # Student layer : teacher layer pairs whose outputs are matched, 1-based (layer i's output is
+    # Hugging Face's hidden_states[i]), e.g. "2:4,4:8"; "" matches none.
+    feature_layers: str = ""
+    feature_loss: str = "mse"  # mse (mean over the teacher's width) | cosine (1 - cosine similarity)
+    feature_weight: float = 0.0
+
+    def feature_pairs(self) -> list[tuple[int, int]]:
+        """feature_layers as (student layer, teacher layer) pairs; ValueError (one line) if malformed."""
+        pairs = []
+        for part in (p.strip() for p in self.feature_layers.split(",")):
+            if not part and not self.feature_layers.strip():
+                continue
+            m = re.fullmatch(r"(\d+)\s*:\s*(\d+)", part)
+            if not m or min(int(m[1]), int(m[2])) < 1:
+                raise ValueError(f"entry {part!r} is not STUDENT_LAYER:TEACHER_LAYER with layers counted from 1 "
+                                 "(e.g. '2:4,4:8')")
+            pair = (int(m[1]), int(m[2]))
+            if pair in pairs:
+                raise ValueError(f"entry {part!r} is listed twice")
+            pairs.append(pair)
+        return pairs
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct Preference Optimization (TrainConfig.task = "dpo"; maxlm/posttrain/dpo.py, the data in
+    maxlm/data/preference.py): the policy starts from TrainConfig.init_from / init_params (an SFT'd
+    model) and the reference is that start, frozen (with ModelConfig.lora_rank > 0: the same weights
+    without the adapters, no second copy)."""
+
+    # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"} (strings or chat message
+    # lists), or synthetic:TASK[:N] (SFT's string tasks: the right answer chosen, a wrong one rejected).
+    data: str = ""
+    eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of the prompt)
+    eval_fraction: float = 0.05
+    normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
+    beta: float = 0.1  # the KL strength: rewards are beta * (policy - reference) log-prob of a reply
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | robust (as TRL's DPOTrainer defines them)
+    label_smoothing: float = 0.0  # the chance a label is flipped (cDPO with sigmoid; robust DPO), in [0, 0.5)
+    # Compute the reference's log-probs of every pair once before training (and free its copy);
+    # False runs the reference inside every step.
+    precompute_ref: bool = False
+    # Held-out prompts answered greedily at the end of the run, scored by exact match with the
+    # chosen reply; 0 skips it. The held-out reward metrics are printed either way.
+    eval_prompts: int = 64
+    max_new_tokens: int = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
@@ -300,6 +389,8 @@ class Config:
     checkpoint: CheckpointConfig
     train: TrainConfig
     sft: SFTConfig = SFTConfig()
+    distill: DistillConfig = DistillConfig()
+    dpo: DPOConfig = DPOConfig()
     source: str = "<bindings>"  # the gin file it came from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
@@ -313,8 +404,9 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "train": TrainConfig, "sft": SFTConfig}
-TASKS = ("pretraining", "sft")
+            "checkpoint": CheckpointConfig, "train": TrainConfig, "sft": SFTConfig, "distill": DistillConfig,
+            "dpo": DPOConfig}
+TASKS = ("pretraining", "sft", "distill", "dpo")
 
 
 def resolve_path(name: str) -> Path:
@@ -412,7 +504,9 @@ RANGES: dict[str, tuple[float, float, str]] = {
         "vocab_size", "vocab_multiple", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "norm_eps",
         "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "init_std")},
     **{f"ModelConfig.{f}": (0, math.inf, ">= 0") for f in (
-        "n_kv_heads", "head_dim", "rope_scaling_factor", "sliding_window", "int8_group")},
+        "n_kv_heads", "head_dim", "rope_scaling_factor", "sliding_window", "int8_group", "lora_rank")},
+    "ModelConfig.lora_alpha": (0, math.inf, "positive"),
+    "ModelConfig.lora_dropout": (0, 1, "[low, high)"),
     "ModelConfig.quant_group": (0, math.inf, "positive"),
     **{f"MeshConfig.{f}": (0, math.inf, "positive") for f in ("pipeline_microbatches", "pipeline_repeats")},
     **{f"OptimConfig.{f}": (0, math.inf, "positive") for f in ("learning_rate", "microbatches")},
@@ -434,6 +528,9 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "SFTConfig.eval_fraction": (0, 1, "[low, high)"), "SFTConfig.near_threshold": (0, 1, "(low, high]"),
     **{f"SFTConfig.{f}": (0, math.inf, ">= 0") for f in ("min_reply_chars", "eval_prompts")},
     **{f"SFTConfig.{f}": (0, math.inf, "positive") for f in ("packing_bins", "max_new_tokens")},
+    "DistillConfig.alpha": (0, 1, "[low, high]"),
+    **{f"DistillConfig.{f}": (0, math.inf, "positive") for f in ("temperature", "top_k")},
+    **{f"DistillConfig.{f}": (0, math.inf, ">= 0") for f in ("logit_weight", "feature_weight")},
 }
 
 
@@ -525,6 +622,20 @@ def _check_linear_rules(src: str, rules: tuple) -> None:
         _choice(src, f"{where} implementation", rule[1], LINEAR_IMPLS)
 
 
+def _check_lora(src: str, m: ModelConfig) -> None:
+    """ModelConfig.lora_targets a regex that names at least one Linear that can carry adapters."""
+    if not m.lora_rank:
+        return
+    try:
+        re.compile(m.lora_targets)
+    except re.error as err:
+        raise ConfigError(f"{src}: ModelConfig.lora_targets = {m.lora_targets!r} does not compile ({err})") from None
+    if not m.lora_paths():
+        tied = " (a tied LM head has no weight of its own)" if m.tie_embeddings else ""
+        raise ConfigError(f"{src}: ModelConfig.lora_targets = {m.lora_targets!r} matches no Linear{tied}; "
+                          f"the paths are {', '.join(m.linear_inputs())}")
+
+
 def quant_problem(m: ModelConfig) -> str | None:
     """What keeps the quantized Linears (and embedding) of ``m`` from their format, or None: the
     INT4 group a positive multiple of 8 (8 values per int32), and each group dividing its input."""
@@ -594,6 +705,83 @@ def _check_task(cfg: Config) -> None:
                           f"ModelConfig.max_seq_len = {cfg.model.max_seq_len}")
 
 
+def _check_distill(cfg: Config) -> None:
+    """DistillConfig complete and consistent for TrainConfig.task = "distill", unset otherwise (the
+    teacher's files are read when the run starts: its layers, width and vocabulary are checked then)."""
+    src, d = cfg.source, cfg.distill
+    _choice(src, "DistillConfig.feature_loss", d.feature_loss, ("mse", "cosine"))
+    try:
+        pairs = d.feature_pairs()
+    except ValueError as err:
+        raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r}: {err}") from None
+    if cfg.train.task != "distill":
+        for field in ("teacher", "feature_layers"):  # never silently ignored: the run would not read it
+            if getattr(d, field):
+                raise ConfigError(f"{src}: DistillConfig.{field} = {getattr(d, field)!r} is set, but TrainConfig.task "
+                                  f"= {cfg.train.task!r} does not read it (set TrainConfig.task = 'distill')")
+        return
+    if not d.teacher.strip():
+        raise ConfigError(f"{src}: TrainConfig.task = 'distill' needs DistillConfig.teacher (the run directory "
+                          "of a trained teacher)")
+    for field in ("teacher", "teacher_logits"):
+        value = getattr(d, field)
+        if value != value.strip() or not value:
+            raise ConfigError(f"{src}: DistillConfig.{field} = {value!r} is empty or has leading or trailing spaces")
+    for s, _ in pairs:
+        if s > cfg.model.n_layers:
+            raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r} names student layer {s}, "
+                              f"but the student has ModelConfig.n_layers = {cfg.model.n_layers}")
+    if pairs and not d.feature_weight:
+        raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r} is set but "
+                          "DistillConfig.feature_weight = 0 (give it a weight, or clear feature_layers)")
+    if d.feature_weight and not pairs:
+        raise ConfigError(f"{src}: DistillConfig.feature_weight = {d.feature_weight} needs "
+                          "DistillConfig.feature_layers (e.g. '2:4,4:8': student layer:teacher layer)")
+    if not d.logit_weight and not d.feature_weight:
+        raise ConfigError(f"{src}: DistillConfig.logit_weight = 0 and DistillConfig.feature_weight = 0: "
+                          "nothing to learn")
+    if pairs and d.teacher_logits != "online":
+        raise ConfigError(f"{src}: DistillConfig.feature_layers needs the teacher's hidden states, which are not "
+                          f"cached: set DistillConfig.teacher_logits = 'online' (it is {d.teacher_logits!r})")
+    if pairs and cfg.mesh.pipeline > 1:
+        raise ConfigError(f"{src}: DistillConfig.feature_layers needs the student's hidden states, which the "
+                          f"pipeline does not collect: use MeshConfig.pipeline = 1 (it is {cfg.mesh.pipeline})")
+
+
+def _check_dpo(cfg: Config) -> None:
+    """DPOConfig complete and consistent for TrainConfig.task = "dpo", its data unset otherwise."""
+    src, d = cfg.source, cfg.dpo
+    _choice(src, "DPOConfig.loss_type", d.loss_type, ("sigmoid", "ipo", "robust"))
+    if cfg.train.task != "dpo":
+        for field in ("data", "eval_data"):  # never silently ignored: the run would not read it
+            if getattr(d, field):
+                raise ConfigError(f"{src}: DPOConfig.{field} = {getattr(d, field)!r} is set, but TrainConfig.task "
+                                  f"= {cfg.train.task!r} does not read it (set TrainConfig.task = 'dpo')")
+        return
+    if not d.data.strip():
+        raise ConfigError(f"{src}: TrainConfig.task = 'dpo' needs DPOConfig.data (JSONL files of prompt/chosen/"
+                          "rejected, or synthetic:upper for a generated task)")
+    if not d.beta > 0:
+        raise ConfigError(f"{src}: DPOConfig.beta = {d.beta} must be > 0")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"{src}: DPOConfig.label_smoothing = {d.label_smoothing} must lie in [0, 0.5)")
+    if d.label_smoothing and d.loss_type == "ipo":
+        raise ConfigError(f"{src}: DPOConfig.label_smoothing = {d.label_smoothing} has no meaning for "
+                          "DPOConfig.loss_type = 'ipo' (use 'sigmoid' or 'robust')")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"{src}: DPOConfig.eval_fraction = {d.eval_fraction} must lie in [0, 1)")
+    if not d.eval_data and d.eval_fraction == 0 and d.eval_prompts:
+        raise ConfigError(f"{src}: DPOConfig.eval_prompts = {d.eval_prompts} needs held-out pairs: set "
+                          "DPOConfig.eval_data or DPOConfig.eval_fraction > 0 (or eval_prompts = 0)")
+    if d.max_new_tokens >= cfg.model.max_seq_len:
+        raise ConfigError(f"{src}: DPOConfig.max_new_tokens = {d.max_new_tokens} must be below "
+                          f"ModelConfig.max_seq_len = {cfg.model.max_seq_len}")
+    if d.precompute_ref and cfg.model.lora_rank:
+        raise ConfigError(f"{src}: DPOConfig.precompute_ref with ModelConfig.lora_rank = {cfg.model.lora_rank}: the "
+                          "reference is the base without adapters, computed in the step at no extra memory; set "
+                          "precompute_ref = False")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Reject inconsistent settings before anything compiles; each failure is one line."""
     _check_types(cfg)
@@ -606,12 +794,15 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "ModelConfig.linear", m.linear, LINEAR_IMPLS)
     _choice(src, "ModelConfig.embedding", m.embedding, ("dense",) + QUANT_IMPLS)
     _check_linear_rules(src, m.linear_rules)
+    _check_lora(src, m)
     for field in ("dtype", "param_dtype"):
         _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
     _choice(src, "OptimConfig.schedule", o.schedule, ("cosine", "linear", "constant", "wsd"))
     _check_ranges(cfg)
     _check_task(cfg)
+    _check_distill(cfg)
+    _check_dpo(cfg)
     if m.head_dim == 0 and m.d_model % m.n_heads:
         raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
                           f"ModelConfig.n_heads = {m.n_heads} (set ModelConfig.head_dim explicitly)")
@@ -677,6 +868,9 @@ def mesh_problem(cfg: Config, degrees: dict[str, int]) -> str | None:
     if t.global_batch % split:
         return (f"TrainConfig.global_batch = {t.global_batch} is not divisible by {'*'.join(batch_axes)}"
                 f"*microbatches = {'*'.join(str(degrees[a]) for a in batch_axes)}*{micro} = {split}")
+    if pipe > 1 and m.lora_rank and m.lora_dropout:
+        return (f"ModelConfig.lora_dropout = {m.lora_dropout} is not supported with MeshConfig.pipeline = {pipe} "
+                "(the pipeline runs its layers without dropout keys); set lora_dropout = 0 or pipeline = 1")
     rows = t.global_batch // split  # what one batch shard feeds the model per optimizer microbatch
     if pipe > 1 and rows % mesh.pipeline_microbatches:
         return (f"MeshConfig.pipeline_microbatches = {mesh.pipeline_microbatches} does not divide the rows "

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR|HF_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step), one checkpoint "
                         "RUN_DIR/checkpoints/STEP, or a Hugging Face directory")
+    p.add_argument("--adapter", metavar="PEFT_DIR",
+                   help="LoRA adapters in PEFT's format to put on the checkpoint (e.g. from "
+                        "`maxlm.hf export --lora peft`, or trained with Hugging Face PEFT)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": "..."} object per line')
@@ -156,7 +159,8 @@ def generate(args: argparse.Namespace) -> int:
     from maxlm.infer.sampling import SamplingParams
 
     try:
-        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype, tensor=args.tensor)
+        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype, tensor=args.tensor,
+                            adapter=args.adapter)
     except LoadError as err:
         raise UserError(str(err)) from None
     tok, cfg = loaded.tokenizer, loaded.cfg

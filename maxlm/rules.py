@@ -44,6 +44,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "vocab": "tensor",
     "layers": "pipeline",
+    "lora_rank": None,  # LoRA adapters' rank axis: small, replicated (A and B shard as their base weight)
 }
 
 

@@ -7,8 +7,9 @@ line by line):
     chat          {"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}
 
 or ``synthetic:TASK[:N]``, N generated examples of a deterministic string task (``reverse``,
-``upper``, ``sort``: a base model cannot do them, SFT teaches them; the tests and
-configs/sft_tiny.gin use it). An instruction is a chat of one user turn and one assistant turn
+``upper``, ``sort``, ``capitalize``: a base model cannot do them, SFT teaches them; the tests and
+configs/sft_tiny.gin use it), or a mixture ``synthetic:reverse+capitalize:N`` (N in all, the
+tasks taking turns). An instruction is a chat of one user turn and one assistant turn
 (``chat.instruction_messages``), so both formats go through the one chat template.
 
 Stages, each counted in the report (``load`` returns it; the run prints ``summary``):
@@ -55,7 +56,7 @@ from maxlm.data.pipeline import DataIterator, _grain_seed, features
 from maxlm.data.tokenizer import Tokenizer
 
 FORMATS = ("auto", "instruction", "chat")
-SYNTHETIC = ("reverse", "upper", "sort")
+SYNTHETIC = ("reverse", "upper", "sort", "capitalize")
 _SHOWN = 20  # bad lines listed by FILE:LINE in the summary (all are in the report)
 
 
@@ -103,19 +104,26 @@ class Report:
 
 
 def synthetic_answer(task: str, word: str) -> str:
-    return {"reverse": word[::-1], "upper": word.upper(), "sort": "".join(sorted(word))}[task]
+    return {"reverse": word[::-1], "upper": word.upper(), "sort": "".join(sorted(word)),
+            "capitalize": word.capitalize()}[task]
 
 
 def synthetic_examples(task: str, n: int, seed: int = 0, min_len: int = 3, max_len: int = 7) -> list[dict]:
-    """n instruction records of a deterministic string task on random lowercase words."""
-    if task not in SYNTHETIC:
-        raise SFTDataError(f"unknown synthetic task {task!r}; known: {', '.join(SYNTHETIC)}")
-    rng = random.Random(f"{task}/{seed}")
-    verb = {"reverse": "Reverse", "upper": "Uppercase", "sort": "Sort the letters of"}[task]
+    """n instruction records of a deterministic string task on random lowercase words; ``task``
+    may be a mixture ``a+b`` (the tasks take turns, each with its own words)."""
+    tasks = task.split("+")
+    unknown = [t for t in tasks if t not in SYNTHETIC]
+    if unknown:
+        raise SFTDataError(f"unknown synthetic task {unknown[0]!r}; known: {', '.join(SYNTHETIC)} "
+                           "(a mixture joins them with +)")
+    rngs = {t: random.Random(f"{t}/{seed}") for t in tasks}
+    verb = {"reverse": "Reverse", "upper": "Uppercase", "sort": "Sort the letters of", "capitalize": "Capitalize"}
     out = []
-    for _ in range(n):
+    for i in range(n):
+        t = tasks[i % len(tasks)]
+        rng = rngs[t]
         word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
-        out.append({"instruction": f"{verb} the word.", "input": word, "output": synthetic_answer(task, word)})
+        out.append({"instruction": f"{verb[t]} the word.", "input": word, "output": synthetic_answer(t, word)})
     return out
 
 

@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                 "  python -m maxlm.hf export runs/tiny --out exports/tiny-w4 --quant int4 --quant-group 64\n"
                 "  python -m maxlm.quantize --checkpoint runs/tiny --method gptq --bits 4 --group 64 --out runs/tiny-gptq\n"
                 "  python -m maxlm.hf export runs/tiny-gptq --out exports/tiny-gptq --quant-format gptq\n"
+                "  python -m maxlm.hf export runs/lora --out exports/lora-base --lora base\n"
+                "  python -m maxlm.hf export runs/lora --out exports/lora-adapter --lora peft --base-model exports/lora-base\n"
                 "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('exports/tiny')\"\n"
                 "  scripts/serve_vllm.sh exports/tiny --cpu"))
     exp.add_argument("path", metavar="PATH", type=_path,
@@ -136,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--quant-group", type=_group, default=None, metavar="N",
                      help="INT4 inputs per scale, a multiple of 8 dividing every Linear's inputs "
                           "(default: 128, or the INT4 model's own ModelConfig.quant_group)")
+    exp.add_argument("--lora", choices=("merge", "base", "peft"), default="merge",
+                     help="a model with LoRA adapters: merge them into the weights (default), write the "
+                          "frozen base without them, or write the adapters alone in PEFT's format "
+                          "(adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained "
+                          "on the --lora base export)")
+    exp.add_argument("--base-model", default="", metavar="NAME_OR_DIR",
+                     help="with --lora peft: the base_model_name_or_path written into adapter_config.json")
     return parser
 
 
@@ -171,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = export_model(args.path, args.out, dtype=args.dtype, step=args.step, family=args.family,
                                    max_shard_bytes=max(1, int(args.max_shard_gb * 2**30)), quant=args.quant,
-                                   quant_format=args.quant_format, quant_group=args.quant_group)
+                                   quant_format=args.quant_format, quant_group=args.quant_group,
+                                   lora=args.lora, base_model=args.base_model)
     except (HFImportError, HFExportError, ConfigError) as err:
         print(f"maxlm.hf: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

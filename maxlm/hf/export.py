@@ -21,6 +21,7 @@ directory that looks complete. Every user mistake is a one-line ``HFExportError`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -239,16 +240,66 @@ def _note(message: str) -> None:
     print(f"maxlm.hf: note: {message}", file=sys.stderr, flush=True)
 
 
+LORA_MODES = ("merge", "base", "peft")
+
+
+def _without_adapters(loaded: Any, mode: str, say: Callable[[str], None]) -> Any:
+    """``loaded`` made plain when it has LoRA adapters (merged, or dropped for 'base'); a new
+    LoadedModel, the caller's is left as it is."""
+    from maxlm.model import lora
+
+    cfg = loaded.cfg
+    if not cfg.lora_rank:
+        if mode != "merge":
+            raise HFExportError(f"{loaded.source}: --lora {mode}: the model has no LoRA adapters "
+                                "(ModelConfig.lora_rank = 0)")
+        return loaded
+    if mode == "base":
+        say(f"writing the frozen base without its LoRA adapters ({', '.join(cfg.lora_paths())})")
+        return dataclasses.replace(loaded, cfg=dataclasses.replace(cfg, lora_rank=0),
+                                   params=lora.without_adapters(loaded.params))
+    merged_cfg, merged = lora.merge(cfg, loaded.params)
+    say(f"LoRA adapters (rank {cfg.lora_rank}) merged into {', '.join(cfg.lora_paths())}"
+        + ("; merged INT4/INT8 Linears are written dense" if merged_cfg.linear_rules != cfg.linear_rules else ""))
+    return dataclasses.replace(loaded, cfg=merged_cfg, params=merged)
+
+
+def _export_adapter(loaded: Any, out_path: Path, base_model: str) -> str:
+    """The adapters alone, in PEFT's format (``maxlm.hf.peft``), published like an export."""
+    from maxlm.hf import peft
+    from maxlm.hf.load import to_numpy
+
+    if not loaded.cfg.lora_rank:
+        raise HFExportError(f"{loaded.source}: --lora peft: the model has no LoRA adapters (ModelConfig.lora_rank = 0)")
+    try:
+        tensors = peft.adapter_tensors(loaded.cfg, to_numpy(loaded.params))
+    except HFExportError as err:
+        raise HFExportError(f"{loaded.source}: {err}") from None
+    with staged_dir(out_path) as stage:
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(stage / peft.WEIGHTS_FILE), metadata={"format": "pt"})
+        (stage / peft.CONFIG_FILE).write_text(json.dumps(peft.adapter_config(loaded.cfg, base_model), indent=2) + "\n")
+        write_manifest(stage, {"format": "maxlm.hf export 1", "source": str(loaded.source), "step": loaded.step,
+                               "lora": "peft", "base_model": base_model or None})
+    count = sum(x.size for x in tensors.values())
+    return (f"exported LoRA adapters (PEFT) from {loaded.source}: rank {loaded.cfg.lora_rank} on "
+            f"{', '.join(loaded.cfg.lora_paths())}, {count:,} parameters -> {out_path}")
+
+
 def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = None, step: int | None = None,
                  family: str | None = None, max_shard_bytes: int = 5 * 2**30, quant: str | None = None,
-                 quant_format: str | None = None, quant_group: int | None = None,
-                 say: Callable[[str], None] = _note) -> str:
+                 quant_format: str | None = None, quant_group: int | None = None, lora: str = "merge",
+                 base_model: str = "", say: Callable[[str], None] = _note) -> str:
     """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
     returns the summary line. ``dtype`` is the stored dtype (float32/fp32, bfloat16/bf16 or
     float16/fp16; None: a Hugging Face source's own, float32 for a maxlm run);
     ``family`` ('llama' | 'gpt2') defaults to the one the ModelConfig fits. ``quant`` (None: the
     model as it is, 'int4', 'none'), ``quant_format`` ('compressed-tensors' | 'gptq') and
     ``quant_group`` choose the INT4 export (``maxlm.hf.quant_export``); ``say`` gets its notes.
+    A model with LoRA adapters is written as ``lora`` says: 'merge' (W + (alpha / r) A B, a plain
+    model), 'base' (the frozen base alone) or 'peft' (the adapters alone, in PEFT's format,
+    ``maxlm.hf.peft``, naming ``base_model`` as their base).
     Checks everything it can before loading the weights, and refuses a non-empty ``out``."""
     from maxlm.hf import quant_export
 
@@ -261,8 +312,13 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
     if max_shard_bytes < 1:
         raise HFExportError(f"max_shard_bytes = {max_shard_bytes} must be positive")
     quant_export.check_options(quant, quant_format, quant_group)
+    if lora not in LORA_MODES:
+        raise HFExportError(f"--lora {lora!r} is not one of {', '.join(LORA_MODES)}")
     out_path = check_export_out(out)
     loaded = _load(path_or_loaded, step)
+    if lora == "peft":
+        return _export_adapter(loaded, out_path, base_model)
+    loaded = _without_adapters(loaded, lora, say)
     cfg = loaded.cfg
     try:  # the model's own config is at fault: name where it came from
         family = family or infer_family(cfg)

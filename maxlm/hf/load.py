@@ -158,10 +158,37 @@ def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> Loaded
 
 
 def load_model(path: str | Path, *, step: int | None = None, dtype: str | None = None,
-               tensor: int = 1) -> LoadedModel:
+               tensor: int = 1, adapter: str | Path | None = None) -> LoadedModel:
     """Open PATH (see the module docstring) on an inference mesh of ``tensor`` devices.
 
-    ``dtype`` overrides the compute dtype (float32 | bfloat16 | float16); parameters keep theirs."""
+    ``dtype`` overrides the compute dtype (float32 | bfloat16 | float16); parameters keep theirs.
+    ``adapter``, a PEFT LoRA directory (``maxlm.hf.peft``), is put on the model loaded."""
+    loaded = _load_model(path, step, dtype, tensor)
+    return loaded if adapter is None else _with_adapter(loaded, Path(adapter).expanduser())
+
+
+def _with_adapter(loaded: LoadedModel, adapter: Path) -> LoadedModel:
+    from maxlm.hf import peft
+    from maxlm.model import lora
+
+    if loaded.cfg.lora_rank:
+        raise LoadError(f"{loaded.source}: already has LoRA adapters; --adapter {adapter} goes on a base model")
+    if not (adapter / peft.CONFIG_FILE).is_file():
+        raise LoadError(f"{adapter}: not a PEFT adapter directory (no {peft.CONFIG_FILE})")
+    from maxlm.hf.hf_config import HFImportError
+
+    try:
+        cfg, found = peft.read_adapter(adapter, loaded.cfg)  # its errors name the file
+        params = lora.with_adapters(cfg, loaded.params, found)
+    except HFImportError as err:
+        raise LoadError(" ".join(str(err).split())) from None
+    except ValueError as err:
+        raise LoadError(f"{adapter}: {err} (the base is {loaded.source})") from None
+    params = jax.device_put(params, param_shardings(cfg, loaded.mesh))
+    return dataclasses.replace(loaded, cfg=cfg, params=params, source=f"{loaded.source} + {adapter}")
+
+
+def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: int) -> LoadedModel:
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise LoadError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
     path = Path(path).expanduser()

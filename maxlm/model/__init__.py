@@ -10,7 +10,8 @@ closed-form parameter and FLOP counts. Imports ``maxlm.config`` and ``maxlm.para
 from maxlm.model.cache import KVCache
 from maxlm.model.flops import flops_per_token, matmul_params, param_count
 from maxlm.model.loss import cross_entropy, token_nll
-from maxlm.model.transformer import Transformer, abstract_params, block_class, forward, init_params
+from maxlm.model.transformer import (Transformer, abstract_params, block_class, forward, forward_hidden,
+                                     init_params)
 
 __all__ = ["KVCache", "Transformer", "abstract_params", "block_class", "cross_entropy", "flops_per_token",
-           "forward", "init_params", "matmul_params", "param_count", "token_nll"]
+           "forward", "forward_hidden", "init_params", "matmul_params", "param_count", "token_nll"]

@@ -159,4 +159,7 @@ class Block(nn.Module):
                                                              layer_cache)
         x = x + attn
         x = x + Mlp(self.cfg, name="mlp")(Norm(self.cfg, name="mlp_norm")(x))
-        return constrain(x, ("batch", "length", "act_embed")), layer_cache
+        x = constrain(x, ("batch", "length", "act_embed"))
+        # The layer's output, kept only when a caller asks for "intermediates" (``forward_hidden``).
+        self.sow("intermediates", "hidden", x)
+        return x, layer_cache

@@ -4,9 +4,12 @@
 implementation in ``IMPLS``, chosen per Linear by ``ModelConfig.linear_impl(path)`` (the first of
 ``ModelConfig.linear_rules`` whose regex matches the Linear's path, else ``ModelConfig.linear``).
 The path is the module path with the layer stack's ``layers/`` dropped (``attn/q_proj``,
-``mlp/down_proj``, ``lm_head``), the same under nn.scan and under the pipeline runner. A LoRA
-implementation (frozen kernel plus adapters A and B) registers itself here under a new name and
-creates its own parameters through the module it is given; no layer changes.
+``mlp/down_proj``, ``lm_head``), the same under nn.scan and under the pipeline runner.
+
+LoRA adapters (``ModelConfig.lora_*``, ``lora``) are added to the output of whichever
+implementation a targeted Linear has, so one adapter code path serves a dense base (LoRA) and an
+int4 one (QLoRA): ``lora_a`` [*in, r] named like the kernel's input axes (sharded as the base
+weight is), ``lora_b`` [r, *out] named like its output axes, the rank axis (``lora_rank``) replicated.
 
 ``dense`` is a plain weight ``kernel`` [*in, *out]. The weight-only quantized ones hold the dense
 kernel flattened to [K = prod(in), N = prod(out)] and quantized symmetrically along K in groups
@@ -136,6 +139,25 @@ IMPLS: dict[str, Callable[["Linear", jax.Array, jax.Array | None], jax.Array]] =
 assert tuple(IMPLS) == LINEAR_IMPLS, "config.LINEAR_IMPLS lists the implementations registered here"
 
 
+def lora(module: "Linear", x: jax.Array) -> jax.Array:
+    """(alpha / r) · dropout(x) A B for x [tokens, in]: the adapters' contribution, in the compute dtype.
+
+    A starts uniform in ±1/sqrt(in) (PEFT's Kaiming-uniform default) and B at zero, so a fresh
+    adapter leaves the base model's output unchanged. Dropout needs a "dropout" rng, which only
+    training passes (``maxlm.model.forward(..., dropout_rng=)``)."""
+    cfg, dtype = module.cfg, DTYPES[module.cfg.dtype]
+    r, n_in = cfg.lora_rank, math.prod(module.in_shape)
+    bound = 1.0 / math.sqrt(n_in)
+    a = param(module, "lora_a", module.in_shape + (r,), module.in_names + ("lora_rank",),
+              lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound))
+    b = param(module, "lora_b", (r,) + module.out_shape, ("lora_rank",) + module.out_names, nn.initializers.zeros)
+    if cfg.lora_dropout and module.has_rng("dropout"):
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - cfg.lora_dropout, x.shape)
+        x = jnp.where(keep, x / (1.0 - cfg.lora_dropout), 0).astype(x.dtype)
+    low = jnp.dot(x.astype(dtype), a.reshape(n_in, r).astype(dtype))
+    return jnp.dot(low * (cfg.lora_alpha / r), b.reshape(r, -1).astype(dtype))
+
+
 def linear_path(module: nn.Module) -> str:
     """The path ``ModelConfig.linear_rules`` match: the module path without the layer stack's prefix."""
     parts = tuple(module.scope.path)
@@ -161,8 +183,12 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array, tied: jax.Array | tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         lead = x.shape[:x.ndim - len(self.in_shape)]
         flat = x.reshape(-1, math.prod(self.in_shape))
-        impl = self.cfg.linear_impl(linear_path(self)) if tied is None else self.cfg.embedding
-        y = IMPLS[impl](self, flat, tied).reshape(*lead, *self.out_shape)
+        path = linear_path(self)
+        impl = self.cfg.linear_impl(path) if tied is None else self.cfg.embedding
+        y = IMPLS[impl](self, flat, tied)
+        if tied is None and self.cfg.lora_rank and path in self.cfg.lora_paths():
+            y = y + lora(self, flat).astype(y.dtype)
+        y = y.reshape(*lead, *self.out_shape)
         if self.cfg.use_bias and tied is None:
             bias = param(self, "bias", self.out_shape, self.bias_names or self.out_names,
                          nn.initializers.zeros)

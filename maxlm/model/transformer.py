@@ -108,7 +108,8 @@ class Transformer(nn.Module):
         if self.stack is not None and not self.is_initializing():
             return self.stack(block, cfg, self.variables["params"]["layers"], x, ctx, layer_cache)
         if layer_cache is None:
-            scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+            scan = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
+                           split_rngs={"params": True, "dropout": True},
                            in_axes=nn.broadcast, length=cfg.n_layers,
                            metadata_params={nn.PARTITION_NAME: "layers"})
             return scan(cfg, name="layers")(x, ctx)
@@ -120,7 +121,8 @@ class Transformer(nn.Module):
             x, stacked = carry
             x, (stacked, _) = layer_block(x, ctx, (stacked, layer))
             return (x, stacked), None
-        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+        scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0},
+                       split_rngs={"params": True, "dropout": True},
                        in_axes=(nn.broadcast, 0), length=cfg.n_layers,
                        metadata_params={nn.PARTITION_NAME: "layers"})
         (x, layer_cache), _ = scan(block(cfg, name="layers"), (x, layer_cache), ctx,
@@ -130,10 +132,27 @@ class Transformer(nn.Module):
 
 def forward(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None, cache: Any = None,
-            stack: LayerStack | None = None) -> tuple[jax.Array, Any]:
-    """The model as a pure function of its parameters: ``(logits, cache)``."""
-    return Transformer(cfg, stack).apply({"params": params}, tokens, segment_ids, positions, cache)
+            stack: LayerStack | None = None, dropout_rng: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """The model as a pure function of its parameters: ``(logits, cache)``. ``dropout_rng`` (training
+    only) turns on the model's dropout, which is LoRA's (``ModelConfig.lora_dropout``) alone."""
+    rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+    return Transformer(cfg, stack).apply({"params": params}, tokens, segment_ids, positions, cache, rngs=rngs)
 
+
+
+def forward_hidden(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None,
+                   dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The training forward that also returns every layer's output: ``(logits, hidden)`` with
+    hidden [n_layers, B, T, d_model] in the compute dtype, ``hidden[i]`` the residual stream after
+    layer i + 1 (Hugging Face's ``hidden_states[i + 1]``; the last is before the final norm). Each
+    ``Block`` sows its output and the scan stacks them; the pipeline runner does not collect
+    them, so this runs the layers as a scan (distillation's feature loss, ``maxlm.posttrain``)."""
+    rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+    (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, segment_ids, positions,
+                                                rngs=rngs, mutable=["intermediates"])
+    (hidden,) = state["intermediates"]["layers"]["hidden"]
+    return logits, hidden
 
 def abstract_params(cfg: ModelConfig, boxed: bool = False) -> Any:
     """The parameter tree as ShapeDtypeStructs (nothing allocated); ``boxed`` keeps the logical

@@ -1,5 +1,5 @@
 """Post-training: tasks the shared loop (``maxlm.train.loop``) runs on a base model. SFT is
-``sft``; LoRA, distillation and DPO add theirs beside it. ``build_task(cfg, forward)`` picks the
+``sft``, distillation ``distill``; DPO adds its own beside them. ``build_task(cfg, forward)`` picks the
 task ``TrainConfig.task`` names; ``python -m maxlm.train`` and ``python -m maxlm.sft`` call it.
 Imports every level below (data, infer, train), never hf, plan or serve beside it.
 """
@@ -16,4 +16,10 @@ def build_task(cfg: Any, forward: Callable):
     if cfg.train.task == "sft":
         from maxlm.posttrain import sft
         return sft.sft_task(cfg, forward)
+    if cfg.train.task == "distill":
+        from maxlm.posttrain import distill
+        return distill.distill_task(cfg, forward)
+    if cfg.train.task == "dpo":
+        from maxlm.posttrain import dpo
+        return dpo.dpo_task(cfg, forward)
     raise ValueError(f"TrainConfig.task = {cfg.train.task!r} is not a post-training task")

@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR|CKPT_DIR|HF_DIR",
                    help="a maxlm run directory (its newest good checkpoint, or --step), one checkpoint "
                         "RUN_DIR/checkpoints/STEP, or a Hugging Face directory")
+    p.add_argument("--adapter", metavar="PEFT_DIR",
+                   help="LoRA adapters in PEFT's format to put on the checkpoint (e.g. from "
+                        "`maxlm.hf export --lora peft`, or trained with Hugging Face PEFT)")
     p.add_argument("--step", type=_int(0), help="the checkpoint step of a run directory (default: the newest good one)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: the checkpoint's)")
     p.add_argument("--tensor", type=_int(1), default=1, help="devices on the tensor axis (default: 1)")
@@ -149,7 +152,8 @@ def serve(args: argparse.Namespace) -> int:
     from maxlm.serve.engine import Engine, EngineConfig
 
     try:
-        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype, tensor=args.tensor)
+        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype, tensor=args.tensor,
+                            adapter=args.adapter)
     except LoadError as err:
         raise UserError(str(err)) from None
     config = EngineConfig(max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks or 0,

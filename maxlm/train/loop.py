@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from maxlm import model
 from maxlm.config import Config, ConfigError, operative_gin
+from maxlm.model import lora
 from maxlm.train import checkpoint, metrics, optim, step
 from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
 from maxlm.train.rundir import RunDirectory, check_writable
@@ -104,18 +105,21 @@ def warm_start_dir(cfg: Config) -> Path:
                       "(RUN_DIR/checkpoints/STEP)")
 
 
-def check_warm_start(cfg: Config, step_dir: Path, abstract_params: Any) -> None:
-    """One line naming the first parameter whose shape in ``step_dir`` differs from the model's."""
+def check_warm_start(cfg: Config, step_dir: Path, abstract_params: Any) -> bool:
+    """One line naming the first parameter whose shape in ``step_dir`` differs from the model's.
+    Returns whether the checkpoint is a base without this model's LoRA adapters (they start fresh)."""
     import orbax.checkpoint as ocp
 
     where = f"{cfg.source}: TrainConfig.init_from = {cfg.train.init_from!r}"
     try:
         saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
         saved = checkpoint._shapes(getattr(saved, "tree", saved)["params"])
+        saved = {k: v for k, v in saved.items() if k.split("/")[0] != step.TASK_PARAMS}  # never carried over
     except Exception as err:  # noqa: BLE001 - Orbax/tensorstore raise many types for damaged files
         raise ConfigError(f"{where}: cannot read the parameters of {step_dir} ({type(err).__name__}: "
                           f"{' '.join(str(err).split())[:200]})") from None
-    wanted = checkpoint._shapes(abstract_params)
+    base_only = bool(cfg.model.lora_rank) and not any(k.split("/")[-1] in lora.ADAPTER_LEAVES for k in saved)
+    wanted = checkpoint._shapes(lora.without_adapters(abstract_params) if base_only else abstract_params)
     diffs = [f"parameter {k} is {saved[k]} there but {v} in this config's model" if k in saved
              else f"parameter {k} of this config's model is missing there" for k, v in wanted.items()
              if saved.get(k) != v]
@@ -123,6 +127,7 @@ def check_warm_start(cfg: Config, step_dir: Path, abstract_params: Any) -> None:
     if diffs:
         more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
         raise ConfigError(f"{where}: {step_dir} does not fit ModelConfig: {diffs[0]}{more}")
+    return base_only
 
 
 def _window_metrics(fetched: list[dict]) -> dict[str, float]:
@@ -149,7 +154,7 @@ class Loop:
         self.run_dir = Path(tc.run_dir).expanduser()
         self.tokens_per_step = tc.global_batch * tc.seq_len
         self.optimizer = optim.make_optimizer(cfg.optim, tc.steps)
-        self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable)
+        self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable, task.params)
         self.eval_losses: list[tuple[int, float]] = []
         self.steps_run = self.redone = 0
 
@@ -157,7 +162,8 @@ class Loop:
         """(first step, state, restored?) from a checkpoint, TrainConfig.init_params, or random."""
         cfg, tc = self.cfg, self.cfg.train
         self.abstract = jax.eval_shape(lambda: step.init_state(cfg, self.optimizer, self.shardings,
-                                                               trainable=self.task.trainable))
+                                                               trainable=self.task.trainable,
+                                                               task_params=self.task.params))
         restored = _restore(cfg, self.ckpt, resume_from, self.abstract, self.shardings)
         if restored is not None:
             first, state, data_state, source = restored
@@ -169,34 +175,47 @@ class Loop:
             self.recorder.event(first, "resume", source=str(source), redo_steps=max(self.previous - first, 0))
             return first, state, True
         params = None
+        # Only the model's parameters are read: a task's own (step.TaskParams) start fresh.
+        abstract, shards = step.model_part(self.abstract.params), step.model_part(self.shardings.params)
+        # A LoRA run starts from a base without adapters (imported, or a plain run): they start fresh.
+        base = lambda tree: lora.without_adapters(tree) if cfg.model.lora_rank else tree
         if tc.init_params:
-            params = checkpoint.restore_params(tc.init_params, self.abstract.params, self.shardings.params)
+            params = checkpoint.restore_params(tc.init_params, base(abstract), base(shards))
             say(f"initialised parameters from {tc.init_params}")
         elif tc.init_from:  # parameters only: the optimizer starts fresh, at step 0
             step_dir = getattr(self, "warm_dir", None)  # found and checked by run() before the run dir is touched
             if step_dir is None:
                 step_dir = warm_start_dir(cfg)
-                check_warm_start(cfg, step_dir, self.abstract.params)
-            params = checkpoint.restore_state_params(step_dir, self.abstract.params, self.shardings.params)
-            say(f"warm start: parameters from {step_dir}")
-        return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable), False
+                self.warm_base_only = check_warm_start(cfg, step_dir, abstract)
+            only = base if self.warm_base_only else (lambda tree: tree)
+            params = checkpoint.restore_state_params(step_dir, only(abstract), only(shards))
+            say(f"warm start: parameters from {step_dir}" + (" (LoRA adapters start fresh)" if self.warm_base_only else ""))
+        return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable,
+                                  self.task.params), False
 
     def describe(self, first: int) -> None:
         cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
         from maxlm.parallel import pipeline_parallel
 
         n_params = sum(x.size for x in jax.tree.leaves(self.state.params))
+        mask = step.trainable_mask(self.state.params, self.task.trainable)
+        n_train = sum(x.size for x, m in zip(jax.tree.leaves(self.state.params), jax.tree.leaves(mask)) if m)
         self.flops_per_token = model.flops_per_token(cfg.model, tc.seq_len)
         self.peak = tc.peak_flops or metrics.measure_peak_flops(cfg.model.dtype)
         bubble = pipeline_parallel.bubble_fraction(mesh.shape["pipeline"], cfg.mesh.pipeline_microbatches,
                                                    cfg.mesh.pipeline_repeats)
         self.recorder.record_run({"config": cfg.source, "task": self.task.name, "params": n_params,
+                                  "trainable_params": n_train,
                                   "devices": jax.device_count(), "mesh": dict(mesh.shape),
                                   "peak_flops_per_device": self.peak, "flops_per_token": self.flops_per_token,
                                   "pipeline_bubble": bubble})
         if first >= tc.steps:
             say(f"{self.run_dir} is already at step {first} of {tc.steps}: nothing to train "
                 "(raise TrainConfig.steps to continue, or pick a new --run_dir)")
+        if cfg.model.lora_rank:
+            say(f"LoRA rank {cfg.model.lora_rank} on {', '.join(cfg.model.lora_paths())}: {n_train:,} trainable "
+                f"of {n_params:,} parameters ({n_train / n_params:.2%}); frozen base "
+                f"{lora.base_bytes(self.state.params) / 2**20:.2f} MiB as stored")
         say(f"maxlm: {self.task.name}, {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
             f"{tc.global_batch}x{tc.seq_len} tokens/step, steps {first}->{tc.steps}, run_dir {self.run_dir}"
             + (f", pipeline bubble {bubble:.1%}" if mesh.shape["pipeline"] > 1 else ""))
@@ -342,11 +361,11 @@ class Loop:
 
     def run(self, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:
         """Train, holding the run directory's lock throughout."""
-        self.warm_dir = None
+        self.warm_dir, self.warm_base_only = None, False
         if self.cfg.train.init_from and resume_from is None and (fresh or not _has_checkpoints(self.run_dir)):
             # Checked before the run directory is touched; a resumed run never reads it.
             self.warm_dir = warm_start_dir(self.cfg)
-            check_warm_start(self.cfg, self.warm_dir, model.abstract_params(self.cfg.model))
+            self.warm_base_only = check_warm_start(self.cfg, self.warm_dir, model.abstract_params(self.cfg.model))
         with RunDirectory(self.run_dir, writer=jax.process_index() == 0, log=say) as run_dir, run_dir.library_log():
             if fresh:
                 run_dir.set_aside_checkpoints()

@@ -8,6 +8,7 @@ from ``maxlm.posttrain``) and the loop, and runs it; the loop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -16,6 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from maxlm import config
+from maxlm.model import lora
 from maxlm.parallel import distributed, sharding
 from maxlm.train import allocator, checkpoint, loop, step, tasks
 from maxlm.train.resilience import TrainingError
@@ -73,6 +75,8 @@ def train(cfg: config.Config, resume_from: str | None = None, fresh: bool = Fals
                                  "builder (run it with python -m maxlm.train or python -m maxlm.sft)")
     else:
         task = build_task(cfg, forward)
+    if cfg.model.lora_rank:  # any task, LoRA: only the adapters train; the base has no optimizer state
+        task = dataclasses.replace(task, trainable=lora.trainable)
     return loop.run(cfg, task, mesh, resume_from=resume_from, fresh=fresh)
 
 

@@ -1,6 +1,7 @@
 """The pure training step, for any task: ``train_step(state, batch) -> (state, metrics)``.
 
-A task supplies ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux)`` (``maxlm.train.tasks``);
+A task supplies ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux)`` (``maxlm.train.tasks``;
+rng is None in evaluation);
 this module turns it into one jitted update with explicit in/out shardings and the state donated.
 What every task shares lives here once: microbatch accumulation, dynamic loss scaling, the bad-step
 guard (``maxlm.train.resilience``), global-norm clipping, and a trainable mask: frozen
@@ -9,6 +10,7 @@ parameters are not differentiated, have no optimizer state and never change.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.struct
@@ -20,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxlm import model
 from maxlm.config import Config
+from maxlm.model import lora
 from maxlm.parallel import pipeline_parallel, sharding
 from maxlm.train import optim, resilience
 
@@ -35,13 +38,37 @@ class TrainState:
     guard: resilience.Guard  # the bad-step guard's counters and statistics
 
 
-def model_forward(cfg: Config, mesh: Mesh) -> Callable:
-    """``forward(params, tokens, segment_ids, positions, cache)`` for this mesh: the layer stack
-    runs as a pipeline when the mesh has a pipeline axis, as a scan otherwise."""
-    stack = pipeline_parallel.layer_stack(cfg.mesh, mesh.shape["pipeline"])
+# A task's own parameters (``TaskParams``) sit beside the model's in ``TrainState.params`` under
+# this key: trained, checkpointed and restored with them. The model's forward ignores the key.
+TASK_PARAMS = "task"
 
-    def forward(params, tokens, segment_ids=None, positions=None, cache=None):
-        return model.forward(cfg.model, params, tokens, segment_ids, positions, cache, stack=stack)
+
+@dataclasses.dataclass(frozen=True)
+class TaskParams:
+    """Parameters a task trains beside the model (distillation's feature projections): ``init(rng)``
+    makes the tree, ``names`` gives each leaf's logical axes (a PartitionSpec of names, as the
+    model's ``param_names``). A warm start never carries them: they start fresh (``init_state``)."""
+
+    init: Callable[[jax.Array], Any]
+    names: Any
+
+
+def model_part(params: Any) -> Any:
+    """``params`` (or a tree shaped like them) without the task's own parameters."""
+    return {k: v for k, v in params.items() if k != TASK_PARAMS}
+
+
+def model_forward(cfg: Config, mesh: Mesh) -> Callable:
+    """``forward(params, tokens, segment_ids, positions, cache, dropout_rng)`` for this mesh: the
+    layer stack runs as a pipeline when the mesh has a pipeline axis, as a scan otherwise. A
+    ``dropout_rng`` (a training step's; evaluation passes None) reaches the model only when it has
+    dropout (LoRA's)."""
+    stack = pipeline_parallel.layer_stack(cfg.mesh, mesh.shape["pipeline"])
+    has_dropout = bool(cfg.model.lora_rank and cfg.model.lora_dropout)
+
+    def forward(params, tokens, segment_ids=None, positions=None, cache=None, dropout_rng=None):
+        return model.forward(cfg.model, params, tokens, segment_ids, positions, cache, stack=stack,
+                             dropout_rng=dropout_rng if has_dropout else None)
     return forward
 
 
@@ -60,8 +87,14 @@ def merge(trainable: Any, frozen: Any) -> Any:
 
 
 def trainable_mask(params: Any, trainable: Callable[[Any], Any] | None) -> Any:
-    """The task's mask over ``params`` (all True without one)."""
-    return jax.tree.map(lambda _: True, params) if trainable is None else trainable(params)
+    """The task's mask over ``params`` (all True without one). A task's own parameters
+    (``TASK_PARAMS``) always train, whatever the mask says of the model's (LoRA's, say)."""
+    if trainable is None:
+        return jax.tree.map(lambda _: True, params)
+    mask = trainable(params)
+    if isinstance(params, dict) and TASK_PARAMS in params:
+        mask = {**mask, TASK_PARAMS: jax.tree.map(lambda _: True, params[TASK_PARAMS])}
+    return mask
 
 
 # ---- shardings and the initial state
@@ -90,10 +123,14 @@ def _opt_state_names(opt_state: Any, params: Any, names: Any) -> Any:
 
 
 def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
-                    trainable: Callable[[Any], Any] | None = None) -> TrainState:
+                    trainable: Callable[[Any], Any] | None = None,
+                    task_params: TaskParams | None = None) -> TrainState:
     """NamedShardings for every leaf of the TrainState (abstract: nothing is allocated)."""
     names = param_names(cfg)
     params = model.abstract_params(cfg.model)
+    if task_params is not None:
+        names = {**names, TASK_PARAMS: task_params.names}
+        params = {**params, TASK_PARAMS: jax.eval_shape(task_params.init, jax.random.PRNGKey(0))}
     train_params, _ = split(params, trainable_mask(params, trainable))
     opt_state = jax.eval_shape(optimizer.init, train_params)
     train_names, _ = split(names, trainable_mask(params, trainable))
@@ -106,20 +143,31 @@ def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransforma
 
 
 def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: TrainState,
-               params: Any = None, trainable: Callable[[Any], Any] | None = None) -> TrainState:
+               params: Any = None, trainable: Callable[[Any], Any] | None = None,
+               task_params: TaskParams | None = None) -> TrainState:
     """A fresh state, each array created directly on its shards (no host copy of the model).
 
-    ``params``, when given (e.g. imported weights), replaces the random initialisation."""
+    ``params``, when given (e.g. imported weights), replaces the random initialisation; a base
+    without the model's LoRA adapters gets fresh ones (``maxlm.model.lora``), and given ones
+    without the task's own parameters (``task_params``) get fresh ones too."""
+    fresh_task = task_params is not None and (params is None or TASK_PARAMS not in params)
+    base_only = params is not None and cfg.model.lora_rank and not lora.adapters(params)
+
     def init(rng, params):
-        if params is None:
-            params = model.init_params(cfg.model, jax.random.split(rng)[1])
+        if params is None or base_only:
+            fresh = model.init_params(cfg.model, jax.random.split(rng)[1])
+            params = fresh if params is None else lora.with_base(fresh, params)
+        if fresh_task:  # from the half of the key the model's initialisation leaves unused
+            params = {**params, TASK_PARAMS: task_params.init(jax.random.split(rng)[0])}
         train_params, _ = split(params, trainable_mask(params, trainable))
         fp16 = cfg.model.dtype == "float16"
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(train_params),
                           loss_scale=optim.LossScale.create(cfg.optim.loss_scale if fp16 else 1.0),
                           guard=resilience.Guard.create())
-    jitted = jax.jit(init, in_shardings=(None, shardings.params if params is not None else None),
+    given = lora.without_adapters(shardings.params) if base_only else shardings.params
+    given = model_part(given) if fresh_task else given
+    jitted = jax.jit(init, in_shardings=(None, given if params is not None else None),
                      out_shardings=shardings)
     return jitted(jax.random.PRNGKey(cfg.train.seed), params)
 
@@ -211,8 +259,7 @@ def compile_steps(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformati
     replicated = NamedSharding(mesh, PartitionSpec())
     train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable),
                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_key = jax.random.PRNGKey(cfg.train.seed)
-    evaluate = jax.jit(lambda params, batch: loss_fn(params, batch, eval_key)[:2],
+    evaluate = jax.jit(lambda params, batch: loss_fn(params, batch, None)[:2],  # no rng: deterministic
                        in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     return train, evaluate
 

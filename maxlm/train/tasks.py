@@ -1,12 +1,14 @@
 """Tasks: what a training run optimises, separate from how the loop runs it.
 
 A ``Task`` is a loss over batches plus where its batches come from. ``loss_fn(params, batch, rng)
--> (loss_sum, weight, aux)`` sums the loss over the batch and returns its weight (e.g. the number of
+-> (loss_sum, weight, aux)`` (rng None when evaluating) sums the loss over the batch and returns its weight (e.g. the number of
 loss-bearing tokens; the step divides one by the other across microbatches) and a dict of summed
 auxiliary metrics (logged per unit of weight). ``batch_spec`` names each batch key's logical axes
 (they decide its sharding). ``trainable``, when set, marks the parameters that train; the rest are
 frozen. Pre-training's next-token cross-entropy is ``pretraining`` below; SFT, DPO and distillation
-are tasks too, and ``maxlm.train.loop.run`` drives any of them.
+are tasks too, and ``maxlm.train.loop.run`` drives any of them. A task may train parameters of its own
+beside the model's (``params``, ``maxlm.train.step.TaskParams``): they live in the same state under
+``step.TASK_PARAMS``, and its ``loss_fn`` sees them there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from maxlm import data
 from maxlm.config import Config, ConfigError
 from maxlm.model import cross_entropy
-from maxlm.train.step import LossFn
+from maxlm.train.step import LossFn, TaskParams
 
 TOKENS = ("batch", "length")
 LM_BATCH = {"inputs": TOKENS, "targets": TOKENS, "segment_ids": TOKENS, "positions": TOKENS, "weights": TOKENS}
@@ -36,12 +38,13 @@ class Task:
     trainable: Callable[[Any], Any] | None = None  # params -> tree of bools; None trains everything
     sample: Callable[[Any], str] | None = None  # params -> a short text shown when the run ends
     weight_key: str = "weights"  # the batch entry whose sum normalises the loss
+    params: TaskParams | None = None  # the task's own trained parameters beside the model's, if any
 
 
 def lm_loss(forward: Callable, vocab_size: int, z_loss: float = 0.0) -> LossFn:
     """Next-token cross-entropy (+ z-loss) on an LM batch (``LM_BATCH``)."""
     def loss_fn(params, batch, rng):
-        logits, _ = forward(params, batch["inputs"], batch["segment_ids"], batch["positions"])
+        logits, _ = forward(params, batch["inputs"], batch["segment_ids"], batch["positions"], dropout_rng=rng)
         loss_sum, weight = cross_entropy(logits, batch["targets"], batch["weights"], vocab_size, z_loss)
         return loss_sum, weight, {}
     return loss_fn
