@@ -19,6 +19,8 @@ import gin
 
 from maxlm import rules
 
+from maxlm.posttrain_config import POSTTRAIN_RANGES, DistillConfig, DPOConfig, SFTConfig, check_posttrain
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A config may `include 'sft_tiny.gin'`: gin looks for included files here too.
 gin.add_config_file_search_path(str(CONFIG_DIR))
@@ -284,102 +286,6 @@ class TrainConfig:
     task: str = "pretraining"
 
 
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """Supervised fine-tuning data (TrainConfig.task = "sft"; maxlm/data/sft.py has the stages).
-    DataConfig.tokenizer tokenizes it; the chat template is maxlm/data/chat_template.jinja."""
-
-    # JSONL files (globs, ';'-separated) of instruction or chat examples, or synthetic:TASK[:N]
-    # (reverse | upper | sort | capitalize, or a mixture a+b: N generated examples of a string transformation).
-    data: str = ""
-    eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of each example)
-    eval_fraction: float = 0.05
-    format: str = "auto"  # auto | instruction | chat ("auto" decides per line: "messages" means chat)
-    min_reply_chars: int = 1  # drop examples with an assistant reply shorter than this (counted)
-    normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
-    quality: str = "none"  # a maxlm.data.quality preset judged on each reply: none | web | books | code
-    exact_dedup: bool = True
-    near_dedup: bool = False  # MinHash near-duplicates (maxlm.data.dedup)
-    near_threshold: float = 0.8
-    pii: bool = False  # replace e-mails, phones, IDs ... in every message (maxlm.data.pii)
-    packing_bins: int = 8  # rows open at once in first-fit packing (more bins: less padding)
-    # Held-out prompts answered greedily at the end of the run (and by tests), scored by exact match
-    # of the reply; 0 skips it.
-    eval_prompts: int = 64
-    max_new_tokens: int = 32  # reply length those answers may reach
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class DistillConfig:
-    """Knowledge distillation (TrainConfig.task = "distill"; maxlm/posttrain/distill.py): the model
-    of ModelConfig, the student, learns from a trained teacher on DataConfig's data. The loss is
-    logit_weight * (alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE) + feature_weight * F,
-    over the loss-bearing tokens; F matches student hidden states, projected to the teacher's width
-    by a trained linear map, to the teacher's at feature_layers. Teacher and student share the
-    tokenizer and vocabulary; each has its own size and its own sharding on the run's mesh."""
-
-    # The teacher: a run directory (its newest good checkpoint) or RUN_DIR/checkpoints/STEP; its
-    # config.gin gives its ModelConfig. A `maxlm.hf import` directory (config.gin + params/) too.
-    teacher: str = ""
-    alpha: float = 0.5  # weight of the KL term; 1 - alpha weighs the data's cross-entropy
-    temperature: float = 2.0  # both distributions are softened by it; T^2 keeps the KL's gradient scale
-    logit_weight: float = 1.0  # 0: feature matching alone (the first stage of the two-stage recipe)
-    # "online": the teacher runs inside every step. A directory: the teacher's top_k log-probs per
-    # token, computed once per batch and kept there as .npz shards under a fingerprint of teacher,
-    # data and top_k (a cache made for another teacher or data is refused); later runs read them.
-    teacher_logits: str = "online"
-    top_k: int = 64  # cached log-probs per token; the KL is over them, renormalised (exact if >= vocab)
-    # Student layer : teacher layer pairs whose outputs are matched, 1-based (layer i's output is
-    # Hugging Face's hidden_states[i]), e.g. "2:4,4:8"; "" matches none.
-    feature_layers: str = ""
-    feature_loss: str = "mse"  # mse (mean over the teacher's width) | cosine (1 - cosine similarity)
-    feature_weight: float = 0.0
-
-    def feature_pairs(self) -> list[tuple[int, int]]:
-        """feature_layers as (student layer, teacher layer) pairs; ValueError (one line) if malformed."""
-        pairs = []
-        for part in (p.strip() for p in self.feature_layers.split(",")):
-            if not part and not self.feature_layers.strip():
-                continue
-            m = re.fullmatch(r"(\d+)\s*:\s*(\d+)", part)
-            if not m or min(int(m[1]), int(m[2])) < 1:
-                raise ValueError(f"entry {part!r} is not STUDENT_LAYER:TEACHER_LAYER with layers counted from 1 "
-                                 "(e.g. '2:4,4:8')")
-            pair = (int(m[1]), int(m[2]))
-            if pair in pairs:
-                raise ValueError(f"entry {part!r} is listed twice")
-            pairs.append(pair)
-        return pairs
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True)
-class DPOConfig:
-    """Direct Preference Optimization (TrainConfig.task = "dpo"; maxlm/posttrain/dpo.py, the data in
-    maxlm/data/preference.py): the policy starts from TrainConfig.init_from / init_params (an SFT'd
-    model) and the reference is that start, frozen (with ModelConfig.lora_rank > 0: the same weights
-    without the adapters, no second copy)."""
-
-    # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"} (strings or chat message
-    # lists), or synthetic:TASK[:N] (SFT's string tasks: the right answer chosen, a wrong one rejected).
-    data: str = ""
-    eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of the prompt)
-    eval_fraction: float = 0.05
-    normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
-    beta: float = 0.1  # the KL strength: rewards are beta * (policy - reference) log-prob of a reply
-    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | robust (as TRL's DPOTrainer defines them)
-    label_smoothing: float = 0.0  # the chance a label is flipped (cDPO with sigmoid; robust DPO), in [0, 0.5)
-    # Compute the reference's log-probs of every pair once before training (and free its copy);
-    # False runs the reference inside every step.
-    precompute_ref: bool = False
-    # Held-out prompts answered greedily at the end of the run, scored by exact match with the
-    # chosen reply; 0 skips it. The held-out reward metrics are printed either way.
-    eval_prompts: int = 64
-    max_new_tokens: int = 32
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
@@ -525,12 +431,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
         "z_loss", "peak_flops", "sample_tokens", "spike_sigmas", "spike_warmup", "rollback_after")},
     "TrainConfig.seed": (0, SEED_LIMIT, "[low, high)"), "TrainConfig.spike_window": (2, math.inf, "[low, high)"),
     "TrainConfig.rollback_lr_factor": (0, 1, "(low, high]"),
-    "SFTConfig.eval_fraction": (0, 1, "[low, high)"), "SFTConfig.near_threshold": (0, 1, "(low, high]"),
-    **{f"SFTConfig.{f}": (0, math.inf, ">= 0") for f in ("min_reply_chars", "eval_prompts")},
-    **{f"SFTConfig.{f}": (0, math.inf, "positive") for f in ("packing_bins", "max_new_tokens")},
-    "DistillConfig.alpha": (0, 1, "[low, high]"),
-    **{f"DistillConfig.{f}": (0, math.inf, "positive") for f in ("temperature", "top_k")},
-    **{f"DistillConfig.{f}": (0, math.inf, ">= 0") for f in ("logit_weight", "feature_weight")},
+    **POSTTRAIN_RANGES,
 }
 
 
@@ -683,103 +584,10 @@ def quant_mesh_problem(m: ModelConfig, degrees: dict[str, int]) -> str | None:
 
 
 def _check_task(cfg: Config) -> None:
-    """TrainConfig.task known, and its section complete (files are read when the run starts)."""
-    src, sft = cfg.source, cfg.sft
-    _choice(src, "TrainConfig.task", cfg.train.task, TASKS)
-    _choice(src, "SFTConfig.format", sft.format, ("auto", "instruction", "chat"))
-    _choice(src, "SFTConfig.quality", sft.quality, ("none", "web", "books", "code"))
-    if cfg.train.task != "sft":
-        for field in ("data", "eval_data"):  # never silently ignored: the run would not read it
-            if getattr(sft, field):
-                raise ConfigError(f"{src}: SFTConfig.{field} = {getattr(sft, field)!r} is set, but "
-                                  f"TrainConfig.task = {cfg.train.task!r} does not read it (set TrainConfig.task = 'sft')")
-        return
-    if not sft.data.strip():
-        raise ConfigError(f"{src}: TrainConfig.task = 'sft' needs SFTConfig.data (JSONL files, or "
-                          "synthetic:reverse for a generated task)")
-    if not sft.eval_data and sft.eval_fraction == 0 and sft.eval_prompts:
-        raise ConfigError(f"{src}: SFTConfig.eval_prompts = {sft.eval_prompts} needs held-out examples: "
-                          "set SFTConfig.eval_data or SFTConfig.eval_fraction > 0 (or eval_prompts = 0)")
-    if sft.max_new_tokens >= cfg.model.max_seq_len:
-        raise ConfigError(f"{src}: SFTConfig.max_new_tokens = {sft.max_new_tokens} must be below "
-                          f"ModelConfig.max_seq_len = {cfg.model.max_seq_len}")
-
-
-def _check_distill(cfg: Config) -> None:
-    """DistillConfig complete and consistent for TrainConfig.task = "distill", unset otherwise (the
-    teacher's files are read when the run starts: its layers, width and vocabulary are checked then)."""
-    src, d = cfg.source, cfg.distill
-    _choice(src, "DistillConfig.feature_loss", d.feature_loss, ("mse", "cosine"))
-    try:
-        pairs = d.feature_pairs()
-    except ValueError as err:
-        raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r}: {err}") from None
-    if cfg.train.task != "distill":
-        for field in ("teacher", "feature_layers"):  # never silently ignored: the run would not read it
-            if getattr(d, field):
-                raise ConfigError(f"{src}: DistillConfig.{field} = {getattr(d, field)!r} is set, but TrainConfig.task "
-                                  f"= {cfg.train.task!r} does not read it (set TrainConfig.task = 'distill')")
-        return
-    if not d.teacher.strip():
-        raise ConfigError(f"{src}: TrainConfig.task = 'distill' needs DistillConfig.teacher (the run directory "
-                          "of a trained teacher)")
-    for field in ("teacher", "teacher_logits"):
-        value = getattr(d, field)
-        if value != value.strip() or not value:
-            raise ConfigError(f"{src}: DistillConfig.{field} = {value!r} is empty or has leading or trailing spaces")
-    for s, _ in pairs:
-        if s > cfg.model.n_layers:
-            raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r} names student layer {s}, "
-                              f"but the student has ModelConfig.n_layers = {cfg.model.n_layers}")
-    if pairs and not d.feature_weight:
-        raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r} is set but "
-                          "DistillConfig.feature_weight = 0 (give it a weight, or clear feature_layers)")
-    if d.feature_weight and not pairs:
-        raise ConfigError(f"{src}: DistillConfig.feature_weight = {d.feature_weight} needs "
-                          "DistillConfig.feature_layers (e.g. '2:4,4:8': student layer:teacher layer)")
-    if not d.logit_weight and not d.feature_weight:
-        raise ConfigError(f"{src}: DistillConfig.logit_weight = 0 and DistillConfig.feature_weight = 0: "
-                          "nothing to learn")
-    if pairs and d.teacher_logits != "online":
-        raise ConfigError(f"{src}: DistillConfig.feature_layers needs the teacher's hidden states, which are not "
-                          f"cached: set DistillConfig.teacher_logits = 'online' (it is {d.teacher_logits!r})")
-    if pairs and cfg.mesh.pipeline > 1:
-        raise ConfigError(f"{src}: DistillConfig.feature_layers needs the student's hidden states, which the "
-                          f"pipeline does not collect: use MeshConfig.pipeline = 1 (it is {cfg.mesh.pipeline})")
-
-
-def _check_dpo(cfg: Config) -> None:
-    """DPOConfig complete and consistent for TrainConfig.task = "dpo", its data unset otherwise."""
-    src, d = cfg.source, cfg.dpo
-    _choice(src, "DPOConfig.loss_type", d.loss_type, ("sigmoid", "ipo", "robust"))
-    if cfg.train.task != "dpo":
-        for field in ("data", "eval_data"):  # never silently ignored: the run would not read it
-            if getattr(d, field):
-                raise ConfigError(f"{src}: DPOConfig.{field} = {getattr(d, field)!r} is set, but TrainConfig.task "
-                                  f"= {cfg.train.task!r} does not read it (set TrainConfig.task = 'dpo')")
-        return
-    if not d.data.strip():
-        raise ConfigError(f"{src}: TrainConfig.task = 'dpo' needs DPOConfig.data (JSONL files of prompt/chosen/"
-                          "rejected, or synthetic:upper for a generated task)")
-    if not d.beta > 0:
-        raise ConfigError(f"{src}: DPOConfig.beta = {d.beta} must be > 0")
-    if not 0 <= d.label_smoothing < 0.5:
-        raise ConfigError(f"{src}: DPOConfig.label_smoothing = {d.label_smoothing} must lie in [0, 0.5)")
-    if d.label_smoothing and d.loss_type == "ipo":
-        raise ConfigError(f"{src}: DPOConfig.label_smoothing = {d.label_smoothing} has no meaning for "
-                          "DPOConfig.loss_type = 'ipo' (use 'sigmoid' or 'robust')")
-    if not 0 <= d.eval_fraction < 1:
-        raise ConfigError(f"{src}: DPOConfig.eval_fraction = {d.eval_fraction} must lie in [0, 1)")
-    if not d.eval_data and d.eval_fraction == 0 and d.eval_prompts:
-        raise ConfigError(f"{src}: DPOConfig.eval_prompts = {d.eval_prompts} needs held-out pairs: set "
-                          "DPOConfig.eval_data or DPOConfig.eval_fraction > 0 (or eval_prompts = 0)")
-    if d.max_new_tokens >= cfg.model.max_seq_len:
-        raise ConfigError(f"{src}: DPOConfig.max_new_tokens = {d.max_new_tokens} must be below "
-                          f"ModelConfig.max_seq_len = {cfg.model.max_seq_len}")
-    if d.precompute_ref and cfg.model.lora_rank:
-        raise ConfigError(f"{src}: DPOConfig.precompute_ref with ModelConfig.lora_rank = {cfg.model.lora_rank}: the "
-                          "reference is the base without adapters, computed in the step at no extra memory; set "
-                          "precompute_ref = False")
+    """TrainConfig.task known, and each post-training section complete for its task and unset
+    otherwise (``maxlm.posttrain_config``; files are read when the run starts)."""
+    _choice(cfg.source, "TrainConfig.task", cfg.train.task, TASKS)
+    check_posttrain(cfg)
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:
@@ -801,8 +609,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "OptimConfig.schedule", o.schedule, ("cosine", "linear", "constant", "wsd"))
     _check_ranges(cfg)
     _check_task(cfg)
-    _check_distill(cfg)
-    _check_dpo(cfg)
     if m.head_dim == 0 and m.d_model % m.n_heads:
         raise ConfigError(f"{src}: ModelConfig.d_model = {m.d_model} is not divisible by "
                           f"ModelConfig.n_heads = {m.n_heads} (set ModelConfig.head_dim explicitly)")

@@ -139,7 +139,7 @@ def test_cleaning_stages_apply_to_sft_data(tmp_path):
 
 def test_bad_config_is_one_line(tmp_path):
     for bindings, needle in [(["TrainConfig.task='sft'"], "SFTConfig.data"),
-                             (["TrainConfig.task='dpo'"], "TrainConfig.task = 'dpo' is not one of"),
+                             (["TrainConfig.task='rlhf'"], "TrainConfig.task = 'rlhf' is not one of"),
                              (["TrainConfig.task='sft'", "SFTConfig.data='x.jsonl'", "SFTConfig.format='csv'"],
                               "SFTConfig.format"),
                              (["SFTConfig.eval_fraction=1.5"], "SFTConfig.eval_fraction = 1.5 must lie in [0, 1)")]:

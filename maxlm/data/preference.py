@@ -48,7 +48,7 @@ import numpy as np
 
 from maxlm.data import chat, clean, dedup
 from maxlm.data.pipeline import DataIterator, _grain_seed
-from maxlm.data.sft import Report, SFTDataError, _files, _held_out, synthetic_answer, synthetic_examples
+from maxlm.data.sft import Report, SFTDataError, _held_out, json_records, synthetic_answer, synthetic_examples
 from maxlm.data.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
@@ -154,30 +154,12 @@ def read(spec: str, report: Report | None = None) -> tuple[list[Pair], Report]:
             report.lines += 1
             pairs.append(pair_of(rec, f"{spec}#{i}")[0])
         return pairs, report
-    for path in _files(spec):
-        try:
-            with open(path, "rb") as f:
-                raw_lines = f.read().split(b"\n")
-        except OSError as err:
-            raise PreferenceDataError(f"{path}: cannot read it ({err.strerror})") from None
-        if raw_lines and raw_lines[-1] == b"":
-            raw_lines.pop()
-        for n, raw in enumerate(raw_lines, 1):
-            where = f"{path}:{n}"
-            report.lines += 1
-            if not raw.strip():
-                report.drop("bad_line", where, "empty line")
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as err:
-                report.drop("bad_line", where, f"not JSON ({' '.join(str(err).split())[:80]})")
-                continue
-            pair, why = pair_of(record, where)
-            if pair is None:
-                report.drop("bad_line", where, why)
-                continue
-            pairs.append(pair)
+    for where, record in json_records(spec, report):
+        pair, why = pair_of(record, where)
+        if pair is None:
+            report.drop("bad_line", where, why)
+            continue
+        pairs.append(pair)
     return pairs, report
 
 

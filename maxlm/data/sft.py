@@ -46,7 +46,7 @@ import json
 import os
 import random
 import string
-from typing import Any
+from typing import Any, Iterator
 
 import grain
 import numpy as np
@@ -170,6 +170,29 @@ def _files(spec: str) -> list[str]:
     return paths
 
 
+def json_records(spec: str, report: Report) -> Iterator[tuple[str, Any]]:
+    """(FILE:LINE, parsed JSON) of every line of the JSONL files ``spec`` names (globs,
+    ';'-separated), each counted in ``report``; empty and non-JSON lines are dropped there."""
+    for path in _files(spec):
+        try:
+            with open(path, "rb") as f:
+                raw_lines = f.read().split(b"\n")
+        except OSError as err:
+            raise SFTDataError(f"{path}: cannot read it ({err.strerror})") from None
+        if raw_lines and raw_lines[-1] == b"":
+            raw_lines.pop()
+        for n, raw in enumerate(raw_lines, 1):
+            where = f"{path}:{n}"
+            report.lines += 1
+            if not raw.strip():
+                report.drop("bad_line", where, "empty line")
+                continue
+            try:
+                yield where, json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as err:
+                report.drop("bad_line", where, f"not JSON ({' '.join(str(err).split())[:80]})")
+
+
 def read(spec: str, fmt: str = "auto", report: Report | None = None) -> tuple[list[Example], Report]:
     """Parse every line of the JSONL files ``spec`` names (globs, ';'-separated) or a synthetic
     task; bad lines are counted and listed in the report, never raised."""
@@ -186,30 +209,12 @@ def read(spec: str, fmt: str = "auto", report: Report | None = None) -> tuple[li
             report.lines += 1
             examples.append(Example(_messages_of(rec, "instruction")[0], f"{spec}#{i}"))
         return examples, report
-    for path in _files(spec):
-        try:
-            with open(path, "rb") as f:
-                raw_lines = f.read().split(b"\n")
-        except OSError as err:
-            raise SFTDataError(f"{path}: cannot read it ({err.strerror})") from None
-        if raw_lines and raw_lines[-1] == b"":
-            raw_lines.pop()
-        for n, raw in enumerate(raw_lines, 1):
-            where = f"{path}:{n}"
-            report.lines += 1
-            if not raw.strip():
-                report.drop("bad_line", where, "empty line")
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as err:
-                report.drop("bad_line", where, f"not JSON ({' '.join(str(err).split())[:80]})")
-                continue
-            messages, why = _messages_of(record, fmt)
-            if messages is None:
-                report.drop("bad_line", where, why)
-                continue
-            examples.append(Example(messages, where))
+    for where, record in json_records(spec, report):
+        messages, why = _messages_of(record, fmt)
+        if messages is None:
+            report.drop("bad_line", where, why)
+            continue
+        examples.append(Example(messages, where))
     return examples, report
 
 

@@ -397,7 +397,7 @@ class Loop:
             redo_until = max(self.previous, first) if restored else 0
             self.train_step, self.eval_step = step.compile_steps(
                 cfg, mesh, self.optimizer, self.shardings, self.task.loss_fn, self.task.batch_spec,
-                self.task.trainable)
+                self.task.trainable, self.task.weight_key)
             self.eval_data = [step.device_batch(b, mesh, self.task.batch_spec) for b in self.task.eval_batches()]
             self.describe(first)
             if first == 0 and first < tc.steps:

@@ -252,12 +252,13 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, loss_f
 
 def compile_steps(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation, shardings: TrainState,
                   loss_fn: LossFn, batch_spec: dict[str, tuple[str, ...]],
-                  trainable: Callable[[Any], Any] | None = None) -> tuple[Callable, Callable]:
+                  trainable: Callable[[Any], Any] | None = None,
+                  weight_key: str = "weights") -> tuple[Callable, Callable]:
     """(train_step, eval_step) jitted with explicit shardings; train_step donates the state.
-    ``eval_step(params, batch) -> (loss_sum, weight)``."""
+    ``eval_step(params, batch) -> (loss_sum, weight)``; ``weight_key`` as ``make_train_step``'s."""
     batch_sh = batch_shardings(batch_spec, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
-    train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable),
+    train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable, weight_key),
                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     evaluate = jax.jit(lambda params, batch: loss_fn(params, batch, None)[:2],  # no rng: deterministic
                        in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
