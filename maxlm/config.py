@@ -524,14 +524,17 @@ def _check_linear_rules(src: str, rules: tuple) -> None:
 
 
 def _check_lora(src: str, m: ModelConfig) -> None:
-    """ModelConfig.lora_targets a regex that names at least one Linear that can carry adapters."""
-    if not m.lora_rank:
-        return
+    """ModelConfig.lora_targets a non-empty regex that names at least one Linear that can carry
+    adapters. Checked with lora_rank = 0 too, so a run that turns LoRA off for a comparison keeps
+    a config that turns it back on."""
+    if not m.lora_targets.strip():
+        raise ConfigError(f"{src}: ModelConfig.lora_targets = {m.lora_targets!r} is empty: name the Linears "
+                          "by regex, e.g. 'attn/(q|v)_proj$', or '.' for all of them")
     try:
         re.compile(m.lora_targets)
     except re.error as err:
         raise ConfigError(f"{src}: ModelConfig.lora_targets = {m.lora_targets!r} does not compile ({err})") from None
-    if not m.lora_paths():
+    if not dataclasses.replace(m, lora_rank=m.lora_rank or 1).lora_paths():
         tied = " (a tied LM head has no weight of its own)" if m.tie_embeddings else ""
         raise ConfigError(f"{src}: ModelConfig.lora_targets = {m.lora_targets!r} matches no Linear{tied}; "
                           f"the paths are {', '.join(m.linear_inputs())}")
@@ -602,7 +605,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice(src, "ModelConfig.linear", m.linear, LINEAR_IMPLS)
     _choice(src, "ModelConfig.embedding", m.embedding, ("dense",) + QUANT_IMPLS)
     _check_linear_rules(src, m.linear_rules)
-    _check_lora(src, m)
     for field in ("dtype", "param_dtype"):
         _choice(src, f"ModelConfig.{field}", getattr(m, field), ("float32", "bfloat16", "float16"))
     _choice(src, "OptimConfig.name", o.name, ("adamw", "adafactor", "lion"))
@@ -615,6 +617,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.n_heads % m.kv_heads:
         raise ConfigError(f"{src}: ModelConfig.n_heads = {m.n_heads} is not divisible by "
                           f"ModelConfig.n_kv_heads = {m.kv_heads}")
+    _check_lora(src, m)
     problem = quant_problem(m)
     if problem:
         raise ConfigError(f"{src}: {problem}")

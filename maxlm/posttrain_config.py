@@ -133,15 +133,16 @@ def _choice(src: str, field: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _unread(cfg: Any, section: str, fields: tuple[str, ...]) -> bool:
     """True when the run's task is not ``section`` (each section is named after the task that reads
-    it): then none of ``fields`` may be set (a ConfigError names the first that is)."""
+    it): then each of ``fields`` must keep its default (a ConfigError names the first that does not)."""
     from maxlm.config import ConfigError
 
     task = section
     if cfg.train.task == task:
         return False
     values = getattr(cfg, section)
+    defaults = {f.name: f.default for f in dataclasses.fields(values)}
     for field in fields:
-        if getattr(values, field):
+        if getattr(values, field) != defaults[field]:
             raise ConfigError(f"{cfg.source}: {type(values).__name__}.{field} = {getattr(values, field)!r} is set, "
                               f"but TrainConfig.task = {cfg.train.task!r} does not read it (set TrainConfig.task = "
                               f"{task!r})")
@@ -178,7 +179,7 @@ def _check_distill(cfg: Any) -> None:
         pairs = d.feature_pairs()
     except ValueError as err:
         raise ConfigError(f"{src}: DistillConfig.feature_layers = {d.feature_layers!r}: {err}") from None
-    if _unread(cfg, "distill", ("teacher", "feature_layers")):
+    if _unread(cfg, "distill", ("teacher", "teacher_logits", "feature_layers")):
         return
     if not d.teacher.strip():
         raise ConfigError(f"{src}: TrainConfig.task = 'distill' needs DistillConfig.teacher (the run directory "

@@ -18,6 +18,7 @@ import pytest
 from helpers import small_config
 from maxlm import config, model
 from maxlm.model import flops as metrics
+from maxlm.model import lora
 from maxlm.parallel import pipeline_parallel, sharding
 from maxlm.plan import memory as plan_memory
 from maxlm.plan import planner as plan
@@ -59,18 +60,20 @@ def test_gpt3_training_compute_matches_the_published_figure():
     assert r["fits"] and r["mesh"] == {"data": 1, "fsdp": 48, "tensor": 8, "pipeline": 1}
 
 
-@pytest.mark.parametrize("opt", ["adamw", "lion", "adafactor"])
-def test_state_bytes_equal_the_real_sharded_state(opt):
-    """Per-device parameter and optimizer bytes are those of the real TrainState on 8 devices."""
+@pytest.mark.parametrize("opt,lora_rank", [("adamw", 0), ("lion", 0), ("adafactor", 0), ("adamw", 8)])
+def test_state_bytes_equal_the_real_sharded_state(opt, lora_rank):
+    """Per-device parameter and optimizer bytes are those of the real TrainState on 8 devices; with
+    LoRA the optimizer state (and the gradients) cover the adapters alone."""
     # Dimensions of 128 and more, so that Adafactor factors its second moments.
-    cfg = small_config(model=dict(d_model=128, d_ff=256), mesh=dict(data=1, fsdp=4, tensor=2),
-                       optim=dict(name=opt))
+    cfg = small_config(model=dict(d_model=128, d_ff=256, lora_rank=lora_rank),
+                       mesh=dict(data=1, fsdp=4, tensor=2), optim=dict(name=opt))
     degrees = cfg.mesh.shape(8)
     optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
     mesh = sharding.make_mesh(degrees)
-    shardings = step.state_shardings(cfg, mesh, optimizer)
+    trainable = lora.trainable if lora_rank else None
+    shardings = step.state_shardings(cfg, mesh, optimizer, trainable)
     with jax.set_mesh(mesh):
-        state = step.init_state(cfg, optimizer, shardings)
+        state = step.init_state(cfg, optimizer, shardings, trainable=trainable)
 
     def on_device0(tree):
         return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
@@ -78,6 +81,12 @@ def test_state_bytes_equal_the_real_sharded_state(opt):
     est = plan_memory.state_bytes(cfg, degrees)
     assert est["params"] == on_device0(state.params)
     assert est["optimizer"] == on_device0(state.opt_state)
+    if lora_rank:
+        adapters, _ = step.split(state.params, step.trainable_mask(state.params, lora.trainable))
+        assert est["grads"] == on_device0(adapters) < est["params"] / 5
+        assert 0 <= est["optimizer"] - 2 * est["grads"] <= 64  # two moments of the adapters alone, and a count
+        return
+    assert est["grads"] == est["params"]
     ratio = est["optimizer"] / est["params"]
     assert {"adamw": 1.9 < ratio <= 2.01, "lion": 0.95 < ratio <= 1.01, "adafactor": ratio < 0.5}[opt]
 

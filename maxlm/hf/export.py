@@ -256,7 +256,7 @@ def _without_adapters(loaded: Any, mode: str, say: Callable[[str], None]) -> Any
         return loaded
     if mode == "base":
         say(f"writing the frozen base without its LoRA adapters ({', '.join(cfg.lora_paths())})")
-        return dataclasses.replace(loaded, cfg=dataclasses.replace(cfg, lora_rank=0),
+        return dataclasses.replace(loaded, cfg=lora.base_config(cfg),
                                    params=lora.without_adapters(loaded.params))
     merged_cfg, merged = lora.merge(cfg, loaded.params)
     say(f"LoRA adapters (rank {cfg.lora_rank}) merged into {', '.join(cfg.lora_paths())}"

@@ -6,10 +6,11 @@ Training's MFU and the planner both read these (one definition each); a test che
 from __future__ import annotations
 
 from maxlm.config import ModelConfig
+from maxlm.model import lora
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Closed-form parameter count (padded vocabulary included); equals the real tree's size."""
+    """Closed-form parameter count (padded vocabulary included); equals the real tree's size, LoRA adapters included."""
     d, f, n, k, h, v = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.kv_heads, cfg.dim_per_head, cfg.padded_vocab
     norm = d * (2 if cfg.norm == "layer" else 1)
     attn = d * n * h + 2 * d * k * h + n * h * d
@@ -23,7 +24,7 @@ def param_count(cfg: ModelConfig) -> int:
         total += cfg.max_seq_len * d
     if not cfg.tie_embeddings:
         total += d * v + (v if cfg.use_bias else 0)
-    return total
+    return total + lora.count(cfg)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

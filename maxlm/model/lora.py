@@ -71,12 +71,17 @@ def delta(cfg: ModelConfig, node: Mapping, layered: bool) -> jax.Array:
     return (ab * (cfg.lora_alpha / r)).reshape(*lead, *in_shape, *out_shape)
 
 
+def base_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` without adapters: the base they sit on."""
+    return dataclasses.replace(cfg, lora_rank=0)
+
+
 def merged_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` without adapters; a quantized Linear that carried them becomes dense (merging
     dequantizes it: the sum of an INT4 weight and a low-rank update is not INT4)."""
     quantized = [p for p in cfg.lora_paths() if cfg.linear_impl(p) != "dense"]
     rules = tuple((f"^{p}$", "dense") for p in quantized) + tuple(cfg.linear_rules)
-    return dataclasses.replace(cfg, lora_rank=0, linear_rules=rules)
+    return dataclasses.replace(base_config(cfg), linear_rules=rules)
 
 
 def merge(cfg: ModelConfig, params: Mapping) -> tuple[ModelConfig, dict]:

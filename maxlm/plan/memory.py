@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from maxlm import model, rules
-from maxlm.model import attention
+from maxlm.model import attention, lora
 from maxlm.config import Config
 from maxlm.parallel import pipeline_parallel
 from maxlm.train import optim, step
@@ -81,9 +81,12 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
     degrees = dict(degree_items)
     mesh = abstract_mesh(degrees)
     optimizer = optim.make_optimizer(cfg.optim, cfg.train.steps)
-    shardings = step.state_shardings(cfg, mesh, optimizer)
+    # With LoRA only the adapters train: the frozen base has no gradients and no optimizer state.
+    trainable = lora.trainable if cfg.model.lora_rank else None
+    shardings = step.state_shardings(cfg, mesh, optimizer, trainable)
     params = model.abstract_params(cfg.model)
-    opt_state = jax.eval_shape(optimizer.init, params)
+    train_params, _ = step.split(params, step.trainable_mask(params, trainable))
+    opt_state = jax.eval_shape(optimizer.init, train_params)
 
     def per_device(tree, shardings_tree):
         total = layers = 0
@@ -95,6 +98,8 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
         return total, layers
 
     p_total, p_layers = per_device(params, shardings.params)
+    train_shardings, _ = step.split(shardings.params, step.trainable_mask(params, trainable))
+    g_total, _ = per_device(train_params, train_shardings)
     o_total, o_layers = per_device(opt_state, shardings.opt_state)
     # One layer as the matmuls see it: gathered over fsdp (ZeRO-3), still split over tensor.
     gathered = dict(degrees, fsdp=1, pipeline=1)
@@ -105,7 +110,7 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
         if _is_layer(path):
             shape = NamedSharding(gmesh, sh.spec).shard_shape(leaf.shape)
             one_layer += _nbytes(shape[1:], leaf.dtype)
-    return (("params", p_total), ("grads", p_total), ("optimizer", o_total),
+    return (("params", p_total), ("grads", g_total), ("optimizer", o_total),
             ("layer_params", p_layers), ("layer_optimizer", o_layers), ("one_layer_gathered", one_layer))
 
 

@@ -117,7 +117,7 @@ def load_reference(cfg: Config, mesh, forward: Callable) -> Reference:
     """The frozen reference (module docstring)."""
     vocab = cfg.model.vocab_size
     if cfg.model.lora_rank:
-        base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
+        base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
         base_forward = step.model_forward(base_cfg, mesh)
 
         def base_logps(params, batch):
