@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers=$(python -c "import os; print(min(os.cpu_count() or 1, 4))")
-exec python -m pytest -n "$workers" --dist loadfile "$@"
+# --durations: the slowest tests are listed at the end, so CI shows where its time goes.
+exec python -m pytest -n "$workers" --dist loadfile --durations=40 "$@"
