@@ -1,4 +1,4 @@
-"""The post-training sections of the configuration (SFT, distillation, DPO) and their checks.
+"""The post-training sections of the configuration (SFT, distillation, DPO, reward models) and their checks.
 
 Each task of ``maxlm.posttrain`` reads one section; ``maxlm.config`` puts them in ``Config``, takes
 their numeric ranges (``POSTTRAIN_RANGES``) into its table, and calls ``check_posttrain`` from
@@ -111,6 +111,22 @@ class DPOConfig:
     eval_prompts: int = 64
     max_new_tokens: int = 32
 
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """A reward model (TrainConfig.task = "reward"; maxlm/posttrain/reward.py): the transformer with a
+    scalar head, trained with the Bradley-Terry loss on preference pairs (DPOConfig's data format),
+    usually from an SFT'd model (TrainConfig.init_from)."""
+
+    # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"}, or synthetic:TASK[:N].
+    data: str = ""
+    eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of the prompt)
+    eval_fraction: float = 0.05
+    normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
+    # TRL's center_rewards_coefficient: adds c * (r_chosen + r_rejected)^2, keeping rewards near zero.
+    center_rewards_coefficient: float = 0.0
+
+
 POSTTRAIN_RANGES: dict[str, tuple[float, float, str]] = {
     "SFTConfig.eval_fraction": (0, 1, "[low, high)"), "SFTConfig.near_threshold": (0, 1, "(low, high]"),
     **{f"SFTConfig.{f}": (0, math.inf, ">= 0") for f in ("min_reply_chars", "eval_prompts")},
@@ -122,6 +138,8 @@ POSTTRAIN_RANGES: dict[str, tuple[float, float, str]] = {
     "DPOConfig.eval_fraction": (0, 1, "[low, high)"),
     **{f"DPOConfig.{f}": (0, math.inf, ">= 0") for f in ("eval_prompts",)},
     **{f"DPOConfig.{f}": (0, math.inf, "positive") for f in ("max_new_tokens",)},
+    "RewardConfig.eval_fraction": (0, 1, "[low, high)"),
+    "RewardConfig.center_rewards_coefficient": (0, math.inf, ">= 0"),
 }
 
 
@@ -235,8 +253,27 @@ def _check_dpo(cfg: Any) -> None:
                           "precompute_ref = False")
 
 
+def _check_reward(cfg: Any) -> None:
+    """RewardConfig complete for TrainConfig.task = "reward", its data unset otherwise."""
+    from maxlm.config import ConfigError
+
+    src, r = cfg.source, cfg.reward
+    if _unread(cfg, "reward", ("data", "eval_data")):
+        return
+    if not r.data.strip():
+        raise ConfigError(f"{src}: TrainConfig.task = 'reward' needs RewardConfig.data (JSONL files of prompt/chosen/"
+                          "rejected, or synthetic:upper for a generated task)")
+    if not r.eval_data and r.eval_fraction == 0:
+        raise ConfigError(f"{src}: a reward model is judged on held-out pairs: set RewardConfig.eval_data or "
+                          "RewardConfig.eval_fraction > 0")
+    if cfg.mesh.pipeline > 1:
+        raise ConfigError(f"{src}: TrainConfig.task = 'reward' reads the final hidden states, which the pipeline "
+                          f"does not collect: use MeshConfig.pipeline = 1 (it is {cfg.mesh.pipeline})")
+
+
 def check_posttrain(cfg: Any) -> None:
     """Every post-training section complete for its task and its data unset for the others."""
     _check_sft(cfg)
     _check_distill(cfg)
     _check_dpo(cfg)
+    _check_reward(cfg)

@@ -170,6 +170,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _reward_head(loaded) -> dict:
+    """A reward model run's head, written beside its export (``maxlm.posttrain.reward.HEAD_FILE``)."""
+    if loaded.run_config is None or loaded.run_config.train.task != "reward":
+        return {}
+    from maxlm.posttrain import reward
+
+    return {reward.HEAD_FILE: reward.head_tensors(reward.read_head(loaded.source, loaded.cfg))}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = export_model(args.path, args.out, dtype=args.dtype, step=args.step, family=args.family,
                                    max_shard_bytes=max(1, int(args.max_shard_gb * 2**30)), quant=args.quant,
                                    quant_format=args.quant_format, quant_group=args.quant_group,
-                                   lora=args.lora, base_model=args.base_model)
+                                   lora=args.lora, base_model=args.base_model, extra_files=_reward_head)
     except (HFImportError, HFExportError, ConfigError) as err:
         print(f"maxlm.hf: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

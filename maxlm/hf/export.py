@@ -34,6 +34,7 @@ from typing import Any
 
 import ml_dtypes  # registers bfloat16 with numpy, so safetensors can write it
 import numpy as np
+from safetensors.numpy import save_file
 
 from maxlm.config import ModelConfig
 from maxlm.data import chat
@@ -290,7 +291,8 @@ def _export_adapter(loaded: Any, out_path: Path, base_model: str) -> str:
 def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = None, step: int | None = None,
                  family: str | None = None, max_shard_bytes: int = 5 * 2**30, quant: str | None = None,
                  quant_format: str | None = None, quant_group: int | None = None, lora: str = "merge",
-                 base_model: str = "", say: Callable[[str], None] = _note) -> str:
+                 base_model: str = "", say: Callable[[str], None] = _note,
+                 extra_files: Callable[[Any], dict[str, dict[str, np.ndarray]]] | None = None) -> str:
     """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
     returns the summary line. ``dtype`` is the stored dtype (float32/fp32, bfloat16/bf16 or
     float16/fp16; None: a Hugging Face source's own, float32 for a maxlm run);
@@ -299,7 +301,8 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
     ``quant_group`` choose the INT4 export (``maxlm.hf.quant_export``); ``say`` gets its notes.
     A model with LoRA adapters is written as ``lora`` says: 'merge' (W + (alpha / r) A B, a plain
     model), 'base' (the frozen base alone) or 'peft' (the adapters alone, in PEFT's format,
-    ``maxlm.hf.peft``, naming ``base_model`` as their base).
+    ``maxlm.hf.peft``, naming ``base_model`` as their base). ``extra_files(loaded)`` names more
+    safetensors files to write beside the weights ({file name: tensors}; a reward model's head).
     Checks everything it can before loading the weights, and refuses a non-empty ``out``."""
     from maxlm.hf import quant_export
 
@@ -339,11 +342,15 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
         dense_cfg, params = quant_export.dense_model(cfg, params, say)
         tensors = export_params(params, dense_cfg, family)
     del params
+    extra = extra_files(loaded) if extra_files is not None else {}
     check_export_out(out)  # again: the load may have taken minutes
     with staged_dir(out_path) as stage:
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         mode = (stage / "config.json").stat().st_mode & 0o777  # the umask's choice for new files
         files = write_weights(stage, tensors, DTYPES[dtype], max_shard_bytes, mode)
+        for name, more in extra.items():
+            save_file(more, str(stage / name))
+            os.chmod(stage / name, mode)
         _write_generation_config(loaded, stage, ids)
         tokenizer = _write_tokenizer(loaded, stage, cfg)
         quant_info = None if qplan is None else {"format": qplan.fmt, "bits": 4, "group_size": qplan.group,

@@ -75,6 +75,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = cache.with_layers(layer_cache)
         x = Norm(cfg, name="final_norm")(x)
+        # What the LM head reads, kept only when a caller asks for "intermediates" (``forward_hidden``).
+        self.sow("intermediates", "final_hidden", x)
         logits = Linear(cfg, (cfg.d_model,), (cfg.padded_vocab,), ("embed",), ("vocab",),
                         name="lm_head")(x, tied=head if cfg.tie_embeddings else None)
         return constrain(logits, ("batch", "length", "vocab")), cache
@@ -139,20 +141,26 @@ def forward(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.A
     return Transformer(cfg, stack).apply({"params": params}, tokens, segment_ids, positions, cache, rngs=rngs)
 
 
-
 def forward_hidden(cfg: ModelConfig, params: Any, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                   positions: jax.Array | None = None,
-                   dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The training forward that also returns every layer's output: ``(logits, hidden)`` with
-    hidden [n_layers, B, T, d_model] in the compute dtype, ``hidden[i]`` the residual stream after
-    layer i + 1 (Hugging Face's ``hidden_states[i + 1]``; the last is before the final norm). Each
-    ``Block`` sows its output and the scan stacks them; the pipeline runner does not collect
-    them, so this runs the layers as a scan (distillation's feature loss, ``maxlm.posttrain``)."""
+                   positions: jax.Array | None = None, dropout_rng: jax.Array | None = None,
+                   final: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The training forward that also returns hidden states: ``(logits, hidden)``.
+
+    By default hidden is every layer's output, [n_layers, B, T, d_model] in the compute dtype,
+    ``hidden[i]`` the residual stream after layer i + 1 (Hugging Face's ``hidden_states[i + 1]``; the
+    last is before the final norm). With ``final`` it is what the LM head reads, [B, T, d_model]:
+    the last layer's output after the final norm (Hugging Face's ``last_hidden_state``; a reward
+    model's scalar head reads it). Each ``Block`` sows its output and the scan stacks them; the
+    pipeline runner does not collect them, so this runs the layers as a scan (``maxlm.posttrain``)."""
     rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
     (logits, _), state = Transformer(cfg).apply({"params": params}, tokens, segment_ids, positions,
                                                 rngs=rngs, mutable=["intermediates"])
-    (hidden,) = state["intermediates"]["layers"]["hidden"]
+    if final:
+        (hidden,) = state["intermediates"]["final_hidden"]
+    else:
+        (hidden,) = state["intermediates"]["layers"]["hidden"]
     return logits, hidden
+
 
 def abstract_params(cfg: ModelConfig, boxed: bool = False) -> Any:
     """The parameter tree as ShapeDtypeStructs (nothing allocated); ``boxed`` keeps the logical

@@ -1,0 +1,207 @@
+"""A reward model as a task of the shared loop: the transformer with a scalar head, trained with
+the Bradley-Terry loss on preference pairs (``maxlm.data.preference``, the data DPO reads).
+
+The reward of a sequence is ``score . h + bias``, h the hidden state the LM head would read
+(after the final norm; ``model.forward_hidden(final=True)``) at the sequence's last reply position:
+the position whose next token is the reply's closing eos, having read the prompt and the whole
+reply. Per pair, with r_c and r_r the chosen and rejected rewards, the loss is TRL's
+``RewardTrainer``'s:
+
+    -log sigmoid(r_c - r_r)  +  center_rewards_coefficient * (r_c + r_r)^2
+
+(the second term, off by default, keeps rewards centred on zero). Logged per pair: ``accuracy``
+(r_c > r_r), ``margin`` (r_c - r_r), ``rewards/chosen`` and ``rewards/rejected``.
+
+The head (``score`` [d_model] and ``bias`` []) is the task's own parameters (``step.TaskParams``):
+it sits beside the transformer's in the train state under ``step.TASK_PARAMS``, is trained,
+checkpointed and restored with it, and a warm start (``TrainConfig.init_from``, an SFT'd model as
+the guides recommend) brings the transformer alone. With ``ModelConfig.lora_rank`` the trunk trains
+through its adapters and the head trains in full. ``Scorer`` scores (prompt, reply) conversations
+with a trained model, for RL from rewards and for people; ``maxlm.hf export`` of a reward run
+writes the head beside the model as ``reward_head.safetensors`` (``HEAD_FILE``), in the layout of
+Hugging Face's ``LlamaForSequenceClassification`` ``score`` Linear (one label) plus a bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from maxlm import data, model
+from maxlm.config import Config, ConfigError
+from maxlm.data import preference
+from maxlm.parallel import sharding
+from maxlm.train import step
+from maxlm.train.tasks import Task
+
+HEAD = "reward_head"  # the task's parameters: {"score": [d_model], "bias": []}
+HEAD_FILE = "reward_head.safetensors"  # in an export: score.weight [1, d_model], score.bias [1]
+METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
+
+
+def head_params(cfg: Config) -> step.TaskParams:
+    """The scalar head: ``score`` starts small and random (as Hugging Face's ``score`` Linear),
+    ``bias`` at zero."""
+    d = cfg.model.d_model
+
+    def init(rng):
+        score = jax.random.normal(rng, (d,), jnp.float32) * cfg.model.init_std
+        return {HEAD: {"score": score.astype(cfg.model.param_dtype), "bias": jnp.zeros((), cfg.model.param_dtype)}}
+    return step.TaskParams(init, {HEAD: {"score": PartitionSpec("embed"), "bias": PartitionSpec()}})
+
+
+def last_reply_index(weights: jax.Array) -> jax.Array:
+    """[B] the last position of each row whose weight is non-zero (its reply's last token before eos)."""
+    positions = jnp.arange(weights.shape[-1])
+    return jnp.max(jnp.where(weights > 0, positions, 0), axis=-1)
+
+
+def rewards(model_cfg, params: Any, head: dict, features: dict, rng=None) -> jax.Array:
+    """[B] rewards of the rows ``features`` holds (``inputs``, ``segment_ids``, ``positions``, ``weights``)."""
+    _, hidden = model.forward_hidden(model_cfg, params, features["inputs"], features["segment_ids"],
+                                     features["positions"], dropout_rng=rng, final=True)
+    at = last_reply_index(features["weights"])
+    last = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+    return last @ head["score"].astype(jnp.float32) + head["bias"].astype(jnp.float32)
+
+
+def reward_loss(chosen: jax.Array, rejected: jax.Array, center: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss per pair, {metric: value per pair}) from the two sides' rewards ([pairs] each)."""
+    losses = -jax.nn.log_sigmoid(chosen - rejected) + center * (chosen + rejected) ** 2
+    margin = jax.lax.stop_gradient(chosen - rejected)
+    return losses, {"accuracy": (margin > 0).astype(jnp.float32), "margin": margin,
+                    "rewards/chosen": jax.lax.stop_gradient(chosen),
+                    "rewards/rejected": jax.lax.stop_gradient(rejected)}
+
+
+def make_loss(cfg: Config) -> step.LossFn:
+    from maxlm.posttrain.dpo import FEATURES
+
+    center = cfg.reward.center_rewards_coefficient
+
+    def loss_fn(params, batch, rng):
+        both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in FEATURES}
+        r = rewards(cfg.model, step.model_part(params), params[step.TASK_PARAMS][HEAD], both, rng)
+        n = batch["chosen_inputs"].shape[0]
+        losses, metrics = reward_loss(r[:n], r[n:], center)
+        w = batch["weights"]  # one per pair
+        return jnp.sum(losses * w), jnp.sum(w), {k: jnp.sum(v * w) for k, v in metrics.items()}
+    return loss_fn
+
+
+def load_data(cfg: Config) -> preference.PreferenceData:
+    rc = cfg.reward
+    try:
+        data.check_vocab(dataclasses.replace(cfg.data, source="stdlib"), cfg.model.vocab_size)
+        tokenizer = data.get_tokenizer(cfg.data.tokenizer)
+        return preference.load(rc.data, rc.eval_data, rc.eval_fraction, tokenizer, cfg.train.seq_len, rc.normalise)
+    except ValueError as err:
+        raise ConfigError(f"{cfg.source}: RewardConfig.data: {err}") from None
+
+
+def reward_task(cfg: Config, forward: Callable, mesh=None) -> Task:
+    """The Task (``forward`` is unused: the head needs the final hidden states, which
+    ``model.forward_hidden`` returns)."""
+    from maxlm.posttrain.dpo import PAIR_BATCH, heldout_metrics
+
+    del forward
+    mesh = mesh or sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
+    if mesh.shape["pipeline"] > 1:
+        raise ConfigError(f"{cfg.source}: TrainConfig.task = 'reward' reads the final hidden states, which the "
+                          f"pipeline does not collect: use MeshConfig.pipeline = 1 (it resolves to "
+                          f"{mesh.shape['pipeline']})")
+    tc = cfg.train
+    pairs = load_data(cfg)
+    tokenizer = data.get_tokenizer(cfg.data.tokenizer)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+    say(pairs.report.summary("preference data"), flush=True)
+    if pairs.eval_report is not None:
+        say(pairs.eval_report.summary("preference eval data"), flush=True)
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    loss_fn = make_loss(cfg)
+
+    def train_batches():
+        return preference.train_iterator(pairs, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
+                                         seed=cfg.data.seed, prefetch=cfg.data.prefetch, **where,
+                                         extra_identity={"task": "reward"})
+
+    def eval_batches():
+        return preference.eval_batches(pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
+                                       num_batches=tc.eval_batches, **where)
+
+    def sample(params) -> str:
+        m = heldout_metrics(loss_fn, params, preference.eval_batches(
+            pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch, num_batches=None, **where),
+            mesh, PAIR_BATCH)
+        return (f"held-out pairs ({int(m['pairs'])}): loss {m['loss']:.4f}, "
+                + ", ".join(f"{k} {m[k]:.4g}" for k in METRICS))
+
+    return Task("reward", loss_fn, PAIR_BATCH, train_batches, eval_batches, sample=sample, params=head_params(cfg))
+
+
+# ---- scoring with a trained reward model
+
+
+def read_head(source: str | Path, model_cfg) -> dict:
+    """The head of a reward run's checkpoint folder, or of an export's ``HEAD_FILE``; a ConfigError
+    (one line) when ``source`` holds none."""
+    source = Path(source)
+    shapes = {"score": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.dtype(model_cfg.param_dtype)),
+              "bias": jax.ShapeDtypeStruct((), jnp.dtype(model_cfg.param_dtype))}
+    if (source / HEAD_FILE).is_file():
+        from safetensors.numpy import load_file
+
+        tensors = load_file(source / HEAD_FILE)
+        return {"score": jnp.asarray(tensors["score.weight"][0]), "bias": jnp.asarray(tensors["score.bias"][0])}
+    if (source / "state").is_dir():
+        from maxlm.train import checkpoint
+
+        replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        try:
+            tree = checkpoint.restore_state_params(source, {step.TASK_PARAMS: {HEAD: shapes}},
+                                                   {step.TASK_PARAMS: {HEAD: {k: replicated for k in shapes}}})
+            return tree[step.TASK_PARAMS][HEAD]
+        except Exception as err:  # noqa: BLE001 - Orbax raises many types for a missing subtree
+            raise ConfigError(f"{source}: no reward head in this checkpoint (train one with TrainConfig.task = "
+                              f"'reward'; {type(err).__name__})") from None
+    raise ConfigError(f"{source}: no reward head (a reward run's checkpoint, or an export with {HEAD_FILE})")
+
+
+def head_tensors(head: dict) -> dict[str, np.ndarray]:
+    """The head as an export writes it (``HEAD_FILE``): Hugging Face's ``score`` Linear of
+    ``LlamaForSequenceClassification`` with one label, weight [1, d_model], and its bias [1]."""
+    return {"score.weight": np.asarray(head["score"], np.float32)[None],
+            "score.bias": np.asarray(head["bias"], np.float32).reshape(1)}
+
+
+class Scorer:
+    """A trained reward model as a scoring function: ``scorer(conversations)`` -> [n] rewards, each
+    conversation a prompt's messages followed by its reply's (assistant) messages. Open one with
+    ``maxlm.hf.load.load_model(PATH)`` and ``read_head(loaded.source, loaded.cfg)``."""
+
+    def __init__(self, model_cfg, params: Any, tokenizer: Any, head: dict, batch: int = 16):
+        self.cfg, self.params, self.tokenizer, self.head, self.batch = model_cfg, params, tokenizer, head, batch
+        self._fn = jax.jit(lambda p, h, f: rewards(model_cfg, p, h, f))
+
+    def __call__(self, conversations: list[list[dict[str, str]]]) -> np.ndarray:
+        from maxlm.data import chat
+
+        out = []
+        for start in range(0, len(conversations), self.batch):
+            part = conversations[start:start + self.batch]
+            encoded = [chat.encode_chat(self.tokenizer, c) for c in part]
+            width = max(ids.size for ids, _ in encoded)
+            if width > self.cfg.max_seq_len:
+                raise ValueError(f"a conversation of {width} tokens is longer than the model's context "
+                                 f"({self.cfg.max_seq_len})")
+            rows = [preference.side_features(ids, mask, width, self.tokenizer.pad_id) for ids, mask in encoded]
+            rows += [rows[-1]] * (self.batch - len(rows))  # one compiled shape per width
+            feats = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+            out.append(np.asarray(self._fn(self.params, self.head, feats))[:len(part)])
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
