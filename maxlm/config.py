@@ -19,7 +19,7 @@ import gin
 
 from maxlm import rules
 
-from maxlm.posttrain_config import POSTTRAIN_RANGES, DistillConfig, DPOConfig, RewardConfig, SFTConfig, check_posttrain
+from maxlm.posttrain_config import POSTTRAIN_RANGES, DistillConfig, DPOConfig, GRPOConfig, RewardConfig, SFTConfig, check_posttrain
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # A config may `include 'sft_tiny.gin'`: gin looks for included files here too.
@@ -282,7 +282,7 @@ class TrainConfig:
     # What the run optimises (maxlm.train.tasks / maxlm.posttrain): "pretraining" on DataConfig's
     # sources, "sft" on SFTConfig's examples, or "distill" (DistillConfig: a teacher's logits on
     # DataConfig's sources), "dpo" (DPOConfig: preference pairs), "reward" (RewardConfig: a reward
-    # model on preference pairs). Each post-training task adds its name here and its
+    # model on preference pairs), "grpo" (GRPOConfig: RL from verifiable rewards). Each post-training task adds its name here and its
     # own config section, as SFTConfig does.
     task: str = "pretraining"
 
@@ -299,6 +299,7 @@ class Config:
     distill: DistillConfig = DistillConfig()
     dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()
+    grpo: GRPOConfig = GRPOConfig()
     source: str = "<bindings>"  # the gin file it came from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
@@ -313,8 +314,8 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "train": TrainConfig, "sft": SFTConfig, "distill": DistillConfig,
-            "dpo": DPOConfig, "reward": RewardConfig}
-TASKS = ("pretraining", "sft", "distill", "dpo", "reward")
+            "dpo": DPOConfig, "reward": RewardConfig, "grpo": GRPOConfig}
+TASKS = ("pretraining", "sft", "distill", "dpo", "reward", "grpo")
 
 
 def resolve_path(name: str) -> Path:

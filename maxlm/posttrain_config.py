@@ -1,4 +1,4 @@
-"""The post-training sections of the configuration (SFT, distillation, DPO, reward models) and their checks.
+"""The post-training sections of the configuration (SFT, distillation, DPO, reward models, GRPO) and their checks.
 
 Each task of ``maxlm.posttrain`` reads one section; ``maxlm.config`` puts them in ``Config``, takes
 their numeric ranges (``POSTTRAIN_RANGES``) into its table, and calls ``check_posttrain`` from
@@ -125,6 +125,36 @@ class RewardConfig:
     normalise: bool = True  # Unicode NFC, control characters, whitespace (maxlm.data.clean)
     # TRL's center_rewards_coefficient: adds c * (r_chosen + r_rejected)^2, keeping rewards near zero.
     center_rewards_coefficient: float = 0.0
+    # Where the head reads: "last" (the last reply token's final hidden state, as Hugging Face's
+    # LlamaForSequenceClassification) | "mean" (the mean of the head over every reply token).
+    pooling: str = "last"
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO, RL from verifiable rewards (TrainConfig.task = "grpo"; maxlm/posttrain/grpo.py, the
+    prompts in maxlm/data/prompts.py): the policy starts from TrainConfig.init_from / init_params (an
+    SFT'd model), samples group_size completions of each prompt every step, and learns from their
+    group-relative advantages with a clipped objective and a KL penalty to its frozen start.
+    TrainConfig.global_batch counts completions: global_batch / group_size prompts a step."""
+
+    # JSONL files (globs, ';'-separated) of {"prompt": str | messages, "answer": str}, or synthetic:TASK[:N].
+    prompts: str = ""
+    eval_fraction: float = 0.05  # held-out prompts (by a hash of the prompt), scored at each evaluation
+    eval_prompts: int = 64  # how many of them (greedy replies; 0: none)
+    # exact (the reply equals the answer) | contains (the answer is in the reply) | similarity
+    # (partial credit: difflib's ratio of matching characters) | python:MODULE:FUNCTION (f(reply, answer) -> float)
+    reward: str = "exact"
+    group_size: int = 8  # completions sampled per prompt
+    # Divide each group's advantages by its reward std (GRPO, TRL's scale_rewards); False: r - mean (Dr. GRPO).
+    scale_rewards: bool = True
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # sampling of the rollouts (top_k 0 and top_p 1: off)
+    top_k: int = 0
+    top_p: float = 1.0
+    clip_range: float = 0.2  # epsilon of the clipped ratio
+    kl_coef: float = 0.04  # beta of the KL penalty to the reference; 0 runs no reference
 
 
 POSTTRAIN_RANGES: dict[str, tuple[float, float, str]] = {
@@ -140,6 +170,11 @@ POSTTRAIN_RANGES: dict[str, tuple[float, float, str]] = {
     **{f"DPOConfig.{f}": (0, math.inf, "positive") for f in ("max_new_tokens",)},
     "RewardConfig.eval_fraction": (0, 1, "[low, high)"),
     "RewardConfig.center_rewards_coefficient": (0, math.inf, ">= 0"),
+    "GRPOConfig.eval_fraction": (0, 1, "[low, high)"), "GRPOConfig.top_p": (0, 1, "(low, high]"),
+    "GRPOConfig.clip_range": (0, 1, "(low, high]"),
+    **{f"GRPOConfig.{f}": (0, math.inf, ">= 0") for f in ("eval_prompts", "top_k", "kl_coef", "temperature")},
+    **{f"GRPOConfig.{f}": (0, math.inf, "positive") for f in ("max_new_tokens",)},
+    "GRPOConfig.group_size": (2, math.inf, "[low, high)"),
 }
 
 
@@ -258,6 +293,7 @@ def _check_reward(cfg: Any) -> None:
     from maxlm.config import ConfigError
 
     src, r = cfg.source, cfg.reward
+    _choice(src, "RewardConfig.pooling", r.pooling, ("last", "mean"))
     if _unread(cfg, "reward", ("data", "eval_data")):
         return
     if not r.data.strip():
@@ -271,9 +307,34 @@ def _check_reward(cfg: Any) -> None:
                           f"does not collect: use MeshConfig.pipeline = 1 (it is {cfg.mesh.pipeline})")
 
 
+def _check_grpo(cfg: Any) -> None:
+    """GRPOConfig complete and consistent for TrainConfig.task = "grpo", its prompts unset otherwise."""
+    from maxlm.config import ConfigError
+
+    src, g = cfg.source, cfg.grpo
+    if _unread(cfg, "grpo", ("prompts",)):
+        return
+    if not g.prompts.strip():
+        raise ConfigError(f"{src}: TrainConfig.task = 'grpo' needs GRPOConfig.prompts (JSONL files of prompt/answer, "
+                          "or synthetic:upper for a generated task)")
+    if cfg.train.global_batch % g.group_size:
+        raise ConfigError(f"{src}: TrainConfig.global_batch = {cfg.train.global_batch} counts completions and must "
+                          f"divide by GRPOConfig.group_size = {g.group_size}")
+    if g.max_new_tokens >= cfg.train.seq_len:
+        raise ConfigError(f"{src}: GRPOConfig.max_new_tokens = {g.max_new_tokens} must be below TrainConfig.seq_len = "
+                          f"{cfg.train.seq_len} (a prompt and its completion share a row)")
+    if not (g.reward in ("exact", "contains", "similarity") or g.reward.startswith("python:")):
+        raise ConfigError(f"{src}: GRPOConfig.reward = {g.reward!r} is not exact, contains, similarity or "
+                          "python:MODULE:FUNCTION")
+    if g.temperature == 0:
+        raise ConfigError(f"{src}: GRPOConfig.temperature = 0 samples every completion of a group alike (greedy): "
+                          "nothing to compare; use a positive temperature (1.0)")
+
+
 def check_posttrain(cfg: Any) -> None:
     """Every post-training section complete for its task and its data unset for the others."""
     _check_sft(cfg)
     _check_distill(cfg)
     _check_dpo(cfg)
     _check_reward(cfg)
+    _check_grpo(cfg)

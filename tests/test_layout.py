@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "maxlm"
 LEVELS = [("config", "posttrain_config", "rules", "cli_args"), ("parallel",), ("model",), ("data",), ("infer",), ("eval",), ("train",), ("quant",),
           ("hf", "plan", "posttrain", "serve")]
 ENTRY_POINTS = ("__main__.py", "cli.py")
-TOP_LEVEL_COMMANDS = ("generate", "quantize", "prune", "sft", "distill", "dpo", "reward")  # maxlm/generate.py: ``python -m maxlm.generate``, ...
+TOP_LEVEL_COMMANDS = ("generate", "quantize", "prune", "sft", "distill", "dpo", "reward", "grpo")  # maxlm/generate.py: ``python -m maxlm.generate``, ...
 RANK = {name: i for i, level in enumerate(LEVELS) for name in level}
 
 

@@ -1,5 +1,5 @@
 """Post-training: tasks the shared loop (``maxlm.train.loop``) runs on a base model. SFT is
-``sft``, distillation ``distill``, DPO ``dpo`` and reward models ``reward``. ``build_task(cfg, forward)`` picks the
+``sft``, distillation ``distill``, DPO ``dpo``, reward models ``reward`` and GRPO ``grpo``. ``build_task(cfg, forward)`` picks the
 task ``TrainConfig.task`` names; ``python -m maxlm.train`` and ``python -m maxlm.sft`` call it.
 Imports every level below (data, infer, train), never hf, plan or serve beside it.
 """
@@ -25,4 +25,7 @@ def build_task(cfg: Any, forward: Callable):
     if cfg.train.task == "reward":
         from maxlm.posttrain import reward
         return reward.reward_task(cfg, forward)
+    if cfg.train.task == "grpo":
+        from maxlm.posttrain import grpo
+        return grpo.grpo_task(cfg, forward)
     raise ValueError(f"TrainConfig.task = {cfg.train.task!r} is not a post-training task")

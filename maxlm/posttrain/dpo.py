@@ -84,13 +84,17 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
     return losses, metrics
 
 
+def token_logps(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, T] log-probs of each target token under ``logits`` (padded vocab columns ignored), in fp32."""
+    logp = jax.nn.log_softmax(logits[..., :vocab_size].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
 def sequence_logps(forward: Callable, params: Any, batch: dict, vocab_size: int, rng=None) -> tuple[jax.Array, jax.Array]:
     """(chosen, rejected) summed reply-token log-probs, [pairs] each, from one forward over both sides."""
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in FEATURES}
     logits, _ = forward(params, both["inputs"], both["segment_ids"], both["positions"], dropout_rng=rng)
-    logp = jax.nn.log_softmax(logits[..., :vocab_size].astype(jnp.float32), axis=-1)
-    token = jnp.take_along_axis(logp, both["targets"][..., None], axis=-1)[..., 0]
-    summed = jnp.sum(token * both["weights"], axis=-1)
+    summed = jnp.sum(token_logps(logits, both["targets"], vocab_size) * both["weights"], axis=-1)
     n = batch["chosen_inputs"].shape[0]
     return summed[:n], summed[n:]
 
@@ -100,12 +104,18 @@ def sequence_logps(forward: Callable, params: Any, batch: dict, vocab_size: int,
 
 @dataclasses.dataclass
 class Reference:
-    """How the reference log-probs are computed: ``logps(params, batch)`` (``params`` the policy's,
-    used only when the reference is the policy without its adapters)."""
+    """The frozen reference: ``forward(policy_params, tokens, segment_ids, positions)`` -> logits
+    (``policy_params`` is read only when the reference is the policy without its adapters), and
+    ``logps(policy_params, pair_batch)`` -> the pair's summed reply log-probs."""
 
     what: str
-    logps: Callable[[Any, dict], tuple[jax.Array, jax.Array]]
+    forward: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
     params: Any = None  # the frozen copy, when there is one
+    vocab: int = 0
+
+    def logps(self, policy_params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+        fwd = lambda p, tokens, seg, pos, dropout_rng=None: (self.forward(p, tokens, seg, pos), None)
+        return sequence_logps(fwd, policy_params, batch, self.vocab)
 
 
 def _placed(cfg: Config, mesh) -> tuple[Any, Any]:
@@ -113,16 +123,17 @@ def _placed(cfg: Config, mesh) -> tuple[Any, Any]:
     return model.abstract_params(cfg.model), sharding.mesh_shardings(names, mesh)
 
 
-def load_reference(cfg: Config, mesh, forward: Callable) -> Reference:
-    """The frozen reference (module docstring)."""
+def load_reference(cfg: Config, mesh, forward: Callable, section: str = "DPO") -> Reference:
+    """The frozen reference of a run that starts from TrainConfig.init_from / init_params (module
+    docstring); DPO's and GRPO's (``section`` names the task in errors)."""
     vocab = cfg.model.vocab_size
     if cfg.model.lora_rank:
         base_cfg = dataclasses.replace(cfg, model=lora.base_config(cfg.model))
         base_forward = step.model_forward(base_cfg, mesh)
 
-        def base_logps(params, batch):
-            return sequence_logps(base_forward, lora.without_adapters(step.model_part(params)), batch, vocab)
-        return Reference("the policy without its LoRA adapters (no second copy)", base_logps)
+        def base_logits(params, tokens, seg, pos):
+            return base_forward(lora.without_adapters(step.model_part(params)), tokens, seg, pos)[0]
+        return Reference("the policy without its LoRA adapters (no second copy)", base_logits, vocab=vocab)
     from maxlm.train import checkpoint, loop
 
     abstract, shards = _placed(cfg, mesh)
@@ -140,12 +151,12 @@ def load_reference(cfg: Config, mesh, forward: Callable) -> Reference:
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - Orbax/tensorstore raise many types for damaged files
-        raise ConfigError(f"{cfg.source}: cannot read the DPO reference from TrainConfig.init_from / init_params "
-                          f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
+        raise ConfigError(f"{cfg.source}: cannot read the {section} reference from TrainConfig.init_from / "
+                          f"init_params ({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
 
-    def ref_logps(_params, batch):
-        return sequence_logps(forward, params, batch, vocab)
-    return Reference(f"a frozen copy of {what}", ref_logps, params)
+    def copy_logits(_params, tokens, seg, pos):
+        return forward(params, tokens, seg, pos)[0]
+    return Reference(f"a frozen copy of {what}", copy_logits, params, vocab)
 
 
 # ---- the task

@@ -156,6 +156,7 @@ class Loop:
         self.optimizer = optim.make_optimizer(cfg.optim, tc.steps)
         self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable, task.params)
         self.eval_losses: list[tuple[int, float]] = []
+        self.eval_metrics: list[tuple[int, dict[str, float]]] = []  # what each evaluation logged beside the loss
         self.steps_run = self.redone = 0
 
     def start_state(self, resume_from: str | None) -> tuple[int, Any, bool]:
@@ -234,10 +235,16 @@ class Loop:
                 total, weight = total + float(loss_sum), weight + float(w)
             loss = total / max(weight, 1.0)
             tasks = self.task_metrics(at_step)
-        self.eval_losses.append((at_step, loss))
-        self.recorder.log(at_step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), **tasks})
-        say(f"step {at_step}: eval loss {loss:.4f}" + "".join(f", {k.removeprefix('eval/')} {v:.4g}"
-                                                          for k, v in tasks.items()))
+            if self.task.eval_metrics is not None:
+                tasks.update({f"eval/{k}": v for k, v in self.task.eval_metrics(self.state.params).items()})
+        logged = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))} if self.eval_data else {}
+        if self.eval_data:
+            self.eval_losses.append((at_step, loss))
+        self.eval_metrics.append((at_step, tasks))
+        self.recorder.log(at_step, {**logged, **tasks})
+        shown = [f"eval loss {loss:.4f}"] if self.eval_data else []
+        shown += [f"{k.removeprefix('eval/')} {v:.4g}" for k, v in tasks.items()]
+        say(f"step {at_step}: " + ", ".join(shown))
         return time.perf_counter() - start
 
     def open_eval_tasks(self) -> list:
@@ -327,6 +334,9 @@ class Loop:
         while done < tc.steps:
             with self.goodput.timed("data"):
                 batch = next(self.batches)
+            if self.task.rollout is not None:  # RL: the batch is sampled from the current policy
+                with self.goodput.timed("rollout"):
+                    batch = self.task.rollout(self.state.params, batch, done)
             if done + 1 in nan_steps:  # each injected fault fires once
                 nan_steps.discard(done + 1)
                 key = self.task.weight_key
@@ -434,7 +444,7 @@ class Loop:
         breakdown = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in account.items() if k.endswith("_s") and k != "wall_s")
         say(f"done: steps {first}->{done} in {account['wall_s']:.1f}s, goodput {account['goodput']:.1%} ({breakdown})")
         return {"run_dir": str(self.run_dir), "first_step": first, "last_step": done, "loss": self.last_loss,
-                "eval_losses": self.eval_losses, "skipped_steps": int(self.state.guard.skipped),
+                "eval_losses": self.eval_losses, "eval_metrics": self.eval_metrics, "skipped_steps": int(self.state.guard.skipped),
                 "rollbacks": self.rollback.count, "preempted": preempted, "sample": text, "goodput": account,
                 "loss_png": str(plot) if plot else None}
 

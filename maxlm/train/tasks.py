@@ -39,6 +39,12 @@ class Task:
     sample: Callable[[Any], str] | None = None  # params -> a short text shown when the run ends
     weight_key: str = "weights"  # the batch entry whose sum normalises the loss
     params: TaskParams | None = None  # the task's own trained parameters beside the model's, if any
+    # (params, batch, step) -> the batch the step trains on, made from the current parameters: RL's
+    # rollout (sampling completions and scoring them). Called after each batch is drawn; it must be
+    # a function of its arguments alone (seeded by the step), so a resumed run repeats it exactly.
+    rollout: Callable[[Any, dict[str, np.ndarray], int], dict[str, np.ndarray]] | None = None
+    # params -> metrics logged with every evaluation (beside the eval loss, if eval_batches gives any)
+    eval_metrics: Callable[[Any], dict[str, float]] | None = None
 
 
 def lm_loss(forward: Callable, vocab_size: int, z_loss: float = 0.0) -> LossFn:
