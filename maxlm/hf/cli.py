@@ -176,7 +176,7 @@ def _reward_head(loaded) -> dict:
         return {}
     from maxlm.posttrain import reward
 
-    return {reward.HEAD_FILE: reward.head_tensors(reward.read_head(loaded.source, loaded.cfg))}
+    return {reward.HEAD_FILE: reward.head_file(*reward.read_head(loaded))}
 
 
 def main(argv: list[str] | None = None) -> int:

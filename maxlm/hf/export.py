@@ -292,7 +292,8 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
                  family: str | None = None, max_shard_bytes: int = 5 * 2**30, quant: str | None = None,
                  quant_format: str | None = None, quant_group: int | None = None, lora: str = "merge",
                  base_model: str = "", say: Callable[[str], None] = _note,
-                 extra_files: Callable[[Any], dict[str, dict[str, np.ndarray]]] | None = None) -> str:
+                 extra_files: Callable[[Any], dict[str, tuple[dict[str, np.ndarray], dict[str, str]]]] | None = None
+                 ) -> str:
     """Export PATH (or a ``maxlm.hf.load.LoadedModel``) to the Hugging Face directory ``out``;
     returns the summary line. ``dtype`` is the stored dtype (float32/fp32, bfloat16/bf16 or
     float16/fp16; None: a Hugging Face source's own, float32 for a maxlm run);
@@ -302,7 +303,7 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
     A model with LoRA adapters is written as ``lora`` says: 'merge' (W + (alpha / r) A B, a plain
     model), 'base' (the frozen base alone) or 'peft' (the adapters alone, in PEFT's format,
     ``maxlm.hf.peft``, naming ``base_model`` as their base). ``extra_files(loaded)`` names more
-    safetensors files to write beside the weights ({file name: tensors}; a reward model's head).
+    safetensors files to write beside the weights ({file name: (tensors, metadata)}; a reward model's head).
     Checks everything it can before loading the weights, and refuses a non-empty ``out``."""
     from maxlm.hf import quant_export
 
@@ -348,8 +349,8 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         mode = (stage / "config.json").stat().st_mode & 0o777  # the umask's choice for new files
         files = write_weights(stage, tensors, DTYPES[dtype], max_shard_bytes, mode)
-        for name, more in extra.items():
-            save_file(more, str(stage / name))
+        for name, (more, metadata) in extra.items():
+            save_file(more, str(stage / name), metadata=metadata)
             os.chmod(stage / name, mode)
         _write_generation_config(loaded, stage, ids)
         tokenizer = _write_tokenizer(loaded, stage, cfg)

@@ -71,7 +71,10 @@ class SafetensorsDir:
                     raise HFImportError(f"{index}: shard '{file}' (holding '{name}') is missing")
                 self.files[name] = path
         else:
-            shards = sorted(hf_dir.glob("*.safetensors"))
+            # model.safetensors when there is one, as transformers reads it: other safetensors files
+            # beside it (a reward model's head, say) are not the model's weights.
+            single = hf_dir / "model.safetensors"
+            shards = [single] if single.is_file() else sorted(hf_dir.glob("*.safetensors"))
             if not shards:
                 pickles = [p.name for p in sorted(hf_dir.iterdir()) if p.name in PICKLE_FILES
                            or p.suffix in (".bin", ".pt", ".pth", ".ckpt")]

@@ -4,7 +4,9 @@ the Bradley-Terry loss on preference pairs (``maxlm.data.preference``, the data 
 The reward of a sequence is ``score . h + bias``, h the hidden state the LM head would read
 (after the final norm; ``model.forward_hidden(final=True)``) at the sequence's last reply position:
 the position whose next token is the reply's closing eos, having read the prompt and the whole
-reply. Per pair, with r_c and r_r the chosen and rejected rewards, the loss is TRL's
+reply (``RewardConfig.pooling = "last"``, what Hugging Face's ``LlamaForSequenceClassification``
+computes); or, with ``pooling = "mean"``, the mean of ``score . h_t + bias`` over every reply
+position t, which lets a small model judge each token where it sees it. Per pair, with r_c and r_r the chosen and rejected rewards, the loss is TRL's
 ``RewardTrainer``'s:
 
     -log sigmoid(r_c - r_r)  +  center_rewards_coefficient * (r_c + r_r)^2
@@ -62,13 +64,20 @@ def last_reply_index(weights: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(weights > 0, positions, 0), axis=-1)
 
 
-def rewards(model_cfg, params: Any, head: dict, features: dict, rng=None) -> jax.Array:
-    """[B] rewards of the rows ``features`` holds (``inputs``, ``segment_ids``, ``positions``, ``weights``)."""
+def rewards(model_cfg, params: Any, head: dict, features: dict, rng=None, pooling: str = "last") -> jax.Array:
+    """[B] rewards of the rows ``features`` holds (``inputs``, ``segment_ids``, ``positions``,
+    ``weights``): the head on the final hidden state at the last reply token (``pooling`` "last"), or
+    the mean of the head over every reply token's (``pooling`` "mean")."""
     _, hidden = model.forward_hidden(model_cfg, params, features["inputs"], features["segment_ids"],
                                      features["positions"], dropout_rng=rng, final=True)
+    score, bias = head["score"].astype(jnp.float32), head["bias"].astype(jnp.float32)
+    if pooling == "mean":
+        per_token = hidden.astype(jnp.float32) @ score + bias  # [B, T]
+        w = features["weights"]
+        return jnp.sum(per_token * w, -1) / jnp.maximum(jnp.sum(w, -1), 1.0)
     at = last_reply_index(features["weights"])
     last = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-    return last @ head["score"].astype(jnp.float32) + head["bias"].astype(jnp.float32)
+    return last @ score + bias
 
 
 def reward_loss(chosen: jax.Array, rejected: jax.Array, center: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -83,11 +92,11 @@ def reward_loss(chosen: jax.Array, rejected: jax.Array, center: float = 0.0) -> 
 def make_loss(cfg: Config) -> step.LossFn:
     from maxlm.posttrain.dpo import FEATURES
 
-    center = cfg.reward.center_rewards_coefficient
+    center, pooling = cfg.reward.center_rewards_coefficient, cfg.reward.pooling
 
     def loss_fn(params, batch, rng):
         both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in FEATURES}
-        r = rewards(cfg.model, step.model_part(params), params[step.TASK_PARAMS][HEAD], both, rng)
+        r = rewards(cfg.model, step.model_part(params), params[step.TASK_PARAMS][HEAD], both, rng, pooling)
         n = batch["chosen_inputs"].shape[0]
         losses, metrics = reward_loss(r[:n], r[n:], center)
         w = batch["weights"]  # one per pair
@@ -148,46 +157,48 @@ def reward_task(cfg: Config, forward: Callable, mesh=None) -> Task:
 # ---- scoring with a trained reward model
 
 
-def read_head(source: str | Path, model_cfg) -> dict:
-    """The head of a reward run's checkpoint folder, or of an export's ``HEAD_FILE``; a ConfigError
-    (one line) when ``source`` holds none."""
-    source = Path(source)
+def read_head(loaded: Any) -> tuple[dict, str]:
+    """(head, pooling) of a model opened by ``maxlm.hf.load.load_model``: from its reward run's
+    checkpoint, or from an export's ``HEAD_FILE``; a ConfigError (one line) when it holds none."""
+    source, model_cfg = Path(loaded.source), loaded.cfg
     shapes = {"score": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.dtype(model_cfg.param_dtype)),
               "bias": jax.ShapeDtypeStruct((), jnp.dtype(model_cfg.param_dtype))}
     if (source / HEAD_FILE).is_file():
-        from safetensors.numpy import load_file
+        from safetensors import safe_open
 
-        tensors = load_file(source / HEAD_FILE)
-        return {"score": jnp.asarray(tensors["score.weight"][0]), "bias": jnp.asarray(tensors["score.bias"][0])}
-    if (source / "state").is_dir():
+        with safe_open(source / HEAD_FILE, "numpy") as f:
+            pooling = (f.metadata() or {}).get("pooling", "last")
+            head = {"score": jnp.asarray(f.get_tensor("score.weight")[0]),
+                    "bias": jnp.asarray(f.get_tensor("score.bias")[0])}
+        return head, pooling
+    run = loaded.run_config
+    if (source / "state").is_dir() and run is not None and run.train.task == "reward":
         from maxlm.train import checkpoint
 
         replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        try:
-            tree = checkpoint.restore_state_params(source, {step.TASK_PARAMS: {HEAD: shapes}},
-                                                   {step.TASK_PARAMS: {HEAD: {k: replicated for k in shapes}}})
-            return tree[step.TASK_PARAMS][HEAD]
-        except Exception as err:  # noqa: BLE001 - Orbax raises many types for a missing subtree
-            raise ConfigError(f"{source}: no reward head in this checkpoint (train one with TrainConfig.task = "
-                              f"'reward'; {type(err).__name__})") from None
-    raise ConfigError(f"{source}: no reward head (a reward run's checkpoint, or an export with {HEAD_FILE})")
+        tree = checkpoint.restore_state_params(source, {step.TASK_PARAMS: {HEAD: shapes}},
+                                               {step.TASK_PARAMS: {HEAD: {k: replicated for k in shapes}}})
+        return tree[step.TASK_PARAMS][HEAD], run.reward.pooling
+    raise ConfigError(f"{source}: no reward head (a run with TrainConfig.task = 'reward', or an export of one "
+                      f"with {HEAD_FILE})")
 
 
-def head_tensors(head: dict) -> dict[str, np.ndarray]:
-    """The head as an export writes it (``HEAD_FILE``): Hugging Face's ``score`` Linear of
-    ``LlamaForSequenceClassification`` with one label, weight [1, d_model], and its bias [1]."""
-    return {"score.weight": np.asarray(head["score"], np.float32)[None],
-            "score.bias": np.asarray(head["bias"], np.float32).reshape(1)}
+def head_file(head: dict, pooling: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of ``HEAD_FILE``: Hugging Face's ``score`` Linear of
+    ``LlamaForSequenceClassification`` with one label, weight [1, d_model], its bias [1], and the
+    pooling in the file's metadata."""
+    return ({"score.weight": np.asarray(head["score"], np.float32)[None],
+             "score.bias": np.asarray(head["bias"], np.float32).reshape(1)}, {"pooling": pooling})
 
 
 class Scorer:
     """A trained reward model as a scoring function: ``scorer(conversations)`` -> [n] rewards, each
     conversation a prompt's messages followed by its reply's (assistant) messages. Open one with
-    ``maxlm.hf.load.load_model(PATH)`` and ``read_head(loaded.source, loaded.cfg)``."""
+    ``loaded = maxlm.hf.load.load_model(PATH)`` and ``head, pooling = read_head(loaded)``."""
 
-    def __init__(self, model_cfg, params: Any, tokenizer: Any, head: dict, batch: int = 16):
+    def __init__(self, model_cfg, params: Any, tokenizer: Any, head: dict, batch: int = 16, pooling: str = "last"):
         self.cfg, self.params, self.tokenizer, self.head, self.batch = model_cfg, params, tokenizer, head, batch
-        self._fn = jax.jit(lambda p, h, f: rewards(model_cfg, p, h, f))
+        self._fn = jax.jit(lambda p, h, f: rewards(model_cfg, p, h, f, pooling=pooling))
 
     def __call__(self, conversations: list[list[dict[str, str]]]) -> np.ndarray:
         from maxlm.data import chat
