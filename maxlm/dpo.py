@@ -8,8 +8,8 @@ maxlm/posttrain/dpo.py for the loss, the reference and the metrics.
 import sys
 
 EPILOG = """examples:
-  python -m maxlm.sft --config=sft_tiny.gin --run_dir=runs/sft_upper_150 --gin_bindings="TrainConfig.steps=150"
-  python -m maxlm.dpo --config=dpo_tiny.gin                       # from runs/sft_upper_150
+  python -m maxlm.sft --config=sft_tiny.gin --run_dir=runs/sft_upper_250 --gin_bindings="TrainConfig.steps=250"
+  python -m maxlm.dpo --config=dpo_tiny.gin                       # from runs/sft_upper_250
   python -m maxlm.dpo --config=dpo_tiny.gin --gin_bindings="DPOConfig.data='data/prefs/*.jsonl'"
   python -m maxlm.dpo --config=dpo_tiny.gin --gin_bindings="DPOConfig.loss_type='ipo'"
   python -m maxlm.dpo --config=dpo_tiny.gin --gin_bindings="ModelConfig.lora_rank=8"   # reference = the base

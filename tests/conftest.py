@@ -42,14 +42,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def sft_start(tmp_path_factory):
-    """dpo_tiny.gin's and reward_tiny.gin's start: sft_tiny.gin trained 150 steps, partly able to
+    """dpo_tiny.gin's and reward_tiny.gin's start: sft_tiny.gin trained 250 steps, partly able to
     uppercase a word (once per test process: the DPO and reward-model tests share it)."""
     from maxlm import config
     from maxlm.posttrain import build_task
     from maxlm.train import pretrain
 
-    run = tmp_path_factory.mktemp("sft_start") / "sft_upper_150"
-    cfg = config.load("sft_tiny.gin", [f"TrainConfig.run_dir={str(run)!r}", "TrainConfig.steps=150",
+    run = tmp_path_factory.mktemp("sft_start") / "sft_upper_250"
+    cfg = config.load("sft_tiny.gin", [f"TrainConfig.run_dir={str(run)!r}", "TrainConfig.steps=250",
                                        "TrainConfig.peak_flops=1e12", "SFTConfig.eval_prompts=0"], num_devices=8)
     pretrain.train(cfg, build_task=build_task)
     return run

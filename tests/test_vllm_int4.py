@@ -78,6 +78,11 @@ def int4_server(int4_export, tmp_path_factory):
             assert not left, f"processes of serve_vllm.sh still alive after stopping it: {left}"
 
 
+def _server_log(srv) -> str:
+    path = srv.log.with_name("server.log")
+    return "\n".join(path.read_text(errors="replace").splitlines()[-40:]) if path.exists() else "(none)"
+
+
 def _log_softmax(cfg, params, seq: list[int]) -> np.ndarray:
     """maxlm's [len(seq), vocab] next-token log-probabilities after each prefix of ``seq``."""
     from maxlm import model
@@ -101,8 +106,13 @@ def test_vllm_serves_maxlms_int4_export_with_maxlms_greedy_tokens(int4_export, i
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1, "return_tokens_as_token_ids": True}
     request = urllib.request.Request(f"{int4_server.url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        choices = sorted(json.loads(response.read())["choices"], key=lambda c: c["index"])
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            choices = sorted(json.loads(response.read())["choices"], key=lambda c: c["index"])
+    except OSError as err:  # the server died after its smoke requests: show why
+        alive = int4_server.proc.poll() is None
+        pytest.fail(f"vLLM request failed ({err}); serve_vllm.sh {'alive' if alive else 'exited'}; its log:\n"
+                    f"{int4_server._tail()}\nserver log:\n{_server_log(int4_server)}")
     errors, equal, forced, worst = [], 0, 0, 0.0
     for text, prompt, want, choice in zip(PROMPTS, ids, bf16, choices):
         assert choice["prompt_token_ids"] == prompt.tolist(), text
