@@ -312,6 +312,9 @@ def _check_grpo(cfg: Any) -> None:
     from maxlm.config import ConfigError
 
     src, g = cfg.source, cfg.grpo
+    if not (g.reward in ("exact", "contains", "similarity") or g.reward.startswith("python:")):
+        raise ConfigError(f"{src}: GRPOConfig.reward = {g.reward!r} is not exact, contains, similarity or "
+                          "python:MODULE:FUNCTION")
     if _unread(cfg, "grpo", ("prompts",)):
         return
     if not g.prompts.strip():
@@ -323,9 +326,6 @@ def _check_grpo(cfg: Any) -> None:
     if g.max_new_tokens >= cfg.train.seq_len:
         raise ConfigError(f"{src}: GRPOConfig.max_new_tokens = {g.max_new_tokens} must be below TrainConfig.seq_len = "
                           f"{cfg.train.seq_len} (a prompt and its completion share a row)")
-    if not (g.reward in ("exact", "contains", "similarity") or g.reward.startswith("python:")):
-        raise ConfigError(f"{src}: GRPOConfig.reward = {g.reward!r} is not exact, contains, similarity or "
-                          "python:MODULE:FUNCTION")
     if g.temperature == 0:
         raise ConfigError(f"{src}: GRPOConfig.temperature = 0 samples every completion of a group alike (greedy): "
                           "nothing to compare; use a positive temperature (1.0)")

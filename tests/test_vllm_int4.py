@@ -13,7 +13,8 @@ where the two best tokens tie within that rounding their greedy paths may part. 
   puts the two tokens within ``TIE`` nats of each other there;
 * teacher-forced over vLLM's whole output, every token vLLM chose is maxlm's fp32 argmax or within
   ``TIE`` of it (measured: all but 2 of 320, at margins 0.006 and 0.009), and the log-probability
-  vLLM reports for it is maxlm's within ``LOGPROB_ATOL`` (measured up to 0.03).
+  vLLM reports for it is maxlm's within ``LOGPROB_ATOL`` (measured 0.03 on one machine and 0.097 on
+  another, where the 300 training steps end elsewhere: both within bf16's resolution).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ SMALL = dict(vocab_size=259, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d
              max_seq_len=256, dtype="float32")
 PROMPTS = ["def ", "import os\n", "class Foo:\n    def __init__(self", "    return ", "# Copyright"]
 TIE = 0.05  # nats: bf16 keeps 8 bits of a logit, so logits of ~4 differ by up to 2^-6 per rounding
-LOGPROB_ATOL = 0.08
+# vLLM computes in bf16 (8 mantissa bits): logits near 10-20 round by up to 0.04-0.08 each, and a
+# log-probability (logit - logsumexp) carries two such roundings.
+LOGPROB_ATOL = 0.15
 
 
 @pytest.fixture(scope="module")
