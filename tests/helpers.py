@@ -92,3 +92,16 @@ def loss_and_grads(cfg, devices, params=None, seed=0, compiler_options=None):
             params, batch).compile(compiler_options)
         loss, grads = compiled(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
+
+
+def straight_and_resumed(make_cfg, tmp_path, *, steps, stop_at):
+    """(summary of a post-training run of ``steps`` steps, summary of the same run stopped at
+    ``stop_at`` and then resumed to ``steps``); ``make_cfg(run_dir, steps)`` gives each run's config."""
+    from maxlm.posttrain import build_task
+    from maxlm.train import pretrain
+
+    straight = pretrain.train(make_cfg(tmp_path / "straight", steps), build_task=build_task)
+    pretrain.train(make_cfg(tmp_path / "resumed", stop_at), build_task=build_task)
+    resumed = pretrain.train(make_cfg(tmp_path / "resumed", steps), build_task=build_task)
+    assert resumed["first_step"] == stop_at and resumed["last_step"] == straight["last_step"] == steps
+    return straight, resumed

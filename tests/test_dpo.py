@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import straight_and_resumed
+
 from maxlm import config, model
 from maxlm.data import get_tokenizer
 from maxlm.data import preference
@@ -298,15 +300,10 @@ def test_dpo_lifts_heldout_reward_accuracy_and_the_rule_following_rate(sft_start
 def test_lora_dpo_resumed_equals_straight(sft_start, tmp_path):
     """LoRA DPO (the reference is the policy without its adapters): 10 steps, then resumed to 20,
     end where 20 straight steps end."""
-    from maxlm.posttrain import build_task
-    from maxlm.train import pretrain
-
     common = [f"TrainConfig.init_from={str(sft_start)!r}", "ModelConfig.lora_rank=8", "DPOConfig.eval_prompts=0",
               "TrainConfig.eval_every=10", "TrainConfig.log_every=10", "CheckpointConfig.every_steps=10",
               "OptimConfig.warmup_steps=30"]  # all 20 steps in warmup: the schedule ignores TrainConfig.steps
-    straight = pretrain.train(_loop_cfg(tmp_path / "straight", *common, "TrainConfig.steps=20"), build_task=build_task)
-    pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=10"), build_task=build_task)
-    resumed = pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=20"), build_task=build_task)
-    assert resumed["first_step"] == 10 and resumed["last_step"] == straight["last_step"] == 20
+    straight, resumed = straight_and_resumed(lambda run, n: _loop_cfg(run, *common, f"TrainConfig.steps={n}"), tmp_path,
+                                             steps=20, stop_at=10)
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
     assert resumed["eval_losses"][-1] == pytest.approx(straight["eval_losses"][-1], rel=1e-5)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import straight_and_resumed
+
 from maxlm import config, model
 from maxlm.data import chat, get_tokenizer
 from maxlm.data import prompts as prompt_data
@@ -159,15 +161,10 @@ def test_grpo_raises_the_mean_reward(sft_start, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_run_resumed_equals_straight(sft_start, tmp_path):
-    from maxlm.posttrain import build_task
-    from maxlm.train import pretrain
-
     common = [f"TrainConfig.init_from={str(sft_start)!r}", "TrainConfig.eval_every=10", "TrainConfig.log_every=5",
               "CheckpointConfig.every_steps=5", "GRPOConfig.eval_prompts=8", "TrainConfig.global_batch=16"]
-    straight = pretrain.train(_loop_cfg(tmp_path / "straight", *common, "TrainConfig.steps=10"), build_task=build_task)
-    pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=5"), build_task=build_task)
-    resumed = pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=10"), build_task=build_task)
-    assert resumed["first_step"] == 5 and resumed["last_step"] == straight["last_step"] == 10
+    straight, resumed = straight_and_resumed(lambda run, n: _loop_cfg(run, *common, f"TrainConfig.steps={n}"), tmp_path,
+                                             steps=10, stop_at=5)
     assert _rewards(tmp_path / "resumed")[-1] == pytest.approx(_rewards(tmp_path / "straight")[-1], rel=1e-5)
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-4, abs=1e-7)
     assert resumed["eval_metrics"][-1] == straight["eval_metrics"][-1]

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import straight_and_resumed
+
 from maxlm import config, model
 from maxlm.data import get_tokenizer, preference
 from maxlm.posttrain import reward
@@ -126,15 +128,10 @@ def test_reward_model_separates_heldout_pairs(sft_start, tmp_path):
 
 @pytest.mark.slow
 def test_reward_run_resumed_equals_straight(sft_start, tmp_path):
-    from maxlm.posttrain import build_task
-    from maxlm.train import pretrain
-
     common = [f"TrainConfig.init_from={str(sft_start)!r}", "TrainConfig.eval_every=10", "TrainConfig.log_every=10",
               "CheckpointConfig.every_steps=10", "OptimConfig.warmup_steps=30"]  # the schedule ignores steps
-    straight = pretrain.train(_loop_cfg(tmp_path / "straight", *common, "TrainConfig.steps=20"), build_task=build_task)
-    pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=10"), build_task=build_task)
-    resumed = pretrain.train(_loop_cfg(tmp_path / "resumed", *common, "TrainConfig.steps=20"), build_task=build_task)
-    assert resumed["first_step"] == 10 and resumed["last_step"] == straight["last_step"] == 20
+    straight, resumed = straight_and_resumed(lambda run, n: _loop_cfg(run, *common, f"TrainConfig.steps={n}"), tmp_path,
+                                             steps=20, stop_at=10)
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
     assert resumed["eval_losses"][-1] == pytest.approx(straight["eval_losses"][-1], rel=1e-5)
 

@@ -182,14 +182,20 @@ def make_loss(cfg: Config, forward: Callable, reference: Reference | None) -> st
     return loss_fn
 
 
-def load_data(cfg: Config) -> preference.PreferenceData:
-    d = cfg.dpo
+def load_pairs(cfg: Config, section: str = "dpo") -> preference.PreferenceData:
+    """The preference pairs of a config section (DPOConfig's, or RewardConfig's: the same fields);
+    unusable data as a whole is a ConfigError naming the section's field."""
+    d = getattr(cfg, section)
     try:
         data.check_vocab(dataclasses.replace(cfg.data, source="stdlib"), cfg.model.vocab_size)
         tokenizer = data.get_tokenizer(cfg.data.tokenizer)
         return preference.load(d.data, d.eval_data, d.eval_fraction, tokenizer, cfg.train.seq_len, d.normalise)
     except ValueError as err:
-        raise ConfigError(f"{cfg.source}: DPOConfig.data: {err}") from None
+        raise ConfigError(f"{cfg.source}: {type(d).__name__}.data: {err}") from None
+
+
+def load_data(cfg: Config) -> preference.PreferenceData:
+    return load_pairs(cfg, "dpo")
 
 
 def heldout_metrics(loss_fn: step.LossFn, params: Any, batches: list[dict], mesh, batch_spec: dict) -> dict[str, float]:

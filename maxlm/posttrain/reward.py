@@ -26,7 +26,6 @@ Hugging Face's ``LlamaForSequenceClassification`` ``score`` Linear (one label) p
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -105,13 +104,9 @@ def make_loss(cfg: Config) -> step.LossFn:
 
 
 def load_data(cfg: Config) -> preference.PreferenceData:
-    rc = cfg.reward
-    try:
-        data.check_vocab(dataclasses.replace(cfg.data, source="stdlib"), cfg.model.vocab_size)
-        tokenizer = data.get_tokenizer(cfg.data.tokenizer)
-        return preference.load(rc.data, rc.eval_data, rc.eval_fraction, tokenizer, cfg.train.seq_len, rc.normalise)
-    except ValueError as err:
-        raise ConfigError(f"{cfg.source}: RewardConfig.data: {err}") from None
+    from maxlm.posttrain.dpo import load_pairs
+
+    return load_pairs(cfg, "reward")
 
 
 def reward_task(cfg: Config, forward: Callable, mesh=None) -> Task:
