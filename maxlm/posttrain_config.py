@@ -145,6 +145,7 @@ class GRPOConfig:
     eval_prompts: int = 64  # how many of them (greedy replies; 0: none)
     # exact (the reply equals the answer) | contains (the answer is in the reply) | similarity
     # (partial credit: difflib's ratio of matching characters) | python:MODULE:FUNCTION (f(reply, answer) -> float)
+    # | model:RUN_DIR (a reward model trained with TrainConfig.task = "reward" scores prompt + reply)
     reward: str = "exact"
     group_size: int = 8  # completions sampled per prompt
     # Divide each group's advantages by its reward std (GRPO, TRL's scale_rewards); False: r - mean (Dr. GRPO).
@@ -312,9 +313,9 @@ def _check_grpo(cfg: Any) -> None:
     from maxlm.config import ConfigError
 
     src, g = cfg.source, cfg.grpo
-    if not (g.reward in ("exact", "contains", "similarity") or g.reward.startswith("python:")):
-        raise ConfigError(f"{src}: GRPOConfig.reward = {g.reward!r} is not exact, contains, similarity or "
-                          "python:MODULE:FUNCTION")
+    if not (g.reward in ("exact", "contains", "similarity") or g.reward.startswith(("python:", "model:"))):
+        raise ConfigError(f"{src}: GRPOConfig.reward = {g.reward!r} is not exact, contains, similarity, "
+                          "python:MODULE:FUNCTION or model:RUN_DIR")
     if _unread(cfg, "grpo", ("prompts",)):
         return
     if not g.prompts.strip():

@@ -168,3 +168,31 @@ def test_grpo_run_resumed_equals_straight(sft_start, tmp_path):
     assert _rewards(tmp_path / "resumed")[-1] == pytest.approx(_rewards(tmp_path / "straight")[-1], rel=1e-5)
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-4, abs=1e-7)
     assert resumed["eval_metrics"][-1] == straight["eval_metrics"][-1]
+
+
+@pytest.mark.slow
+def test_a_reward_model_scores_the_rollouts(sft_start, tmp_path):
+    """GRPOConfig.reward = 'model:RUN_DIR': the rollout's rewards are the reward model's scores of
+    each prompt with its reply, as the run opened by maxlm.hf.load scores them; a run that is not a
+    reward model, or no run at all, is one line."""
+    from maxlm.hf.load import load_model
+    from maxlm.posttrain import build_task, reward
+    from maxlm.train import pretrain
+
+    rm = tmp_path / "rm"
+    pretrain.train(config.load("reward_tiny.gin", [f"TrainConfig.run_dir={str(rm)!r}", "TrainConfig.init_from=''",
+                                                   "TrainConfig.steps=2", "TrainConfig.eval_every=2",
+                                                   "TrainConfig.peak_flops=1e12"], num_devices=8),
+                   build_task=build_task)
+    fn = grpo.reward_function(_loop_cfg(tmp_path / "g", "TrainConfig.init_from=''", f"GRPOConfig.reward='model:{rm}'"))
+    prompts = prompt_data.read("synthetic:upper:3")[0]
+    replies = ["ABC", "xyz", ""]
+    loaded = load_model(rm)
+    head, pooling = reward.read_head(loaded.source, loaded.cfg, loaded.run_config)
+    scorer = reward.Scorer(loaded.cfg, loaded.params, loaded.tokenizer, head, pooling=pooling)
+    want = scorer([p.messages + [{"role": "assistant", "content": r}] for p, r in zip(prompts, replies)])
+    np.testing.assert_allclose(fn(prompts, replies), want, rtol=1e-5, atol=1e-6)
+    for run, needle in [(sft_start, "not a reward model"), (tmp_path / "nowhere", "config.gin is missing")]:
+        with pytest.raises(config.ConfigError) as err:
+            grpo.reward_function(_loop_cfg(tmp_path / "g", "TrainConfig.init_from=''", f"GRPOConfig.reward='model:{run}'"))
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -100,7 +100,7 @@ def test_reward_model_separates_heldout_pairs(sft_start, tmp_path):
     cfg = _loop_cfg(tmp_path / "rm", f"TrainConfig.init_from={str(sft_start)!r}")
     summary = pretrain.train(cfg, build_task=build_task)
     loaded = load_model(tmp_path / "rm")
-    head, pooling = reward.read_head(loaded)
+    head, pooling = reward.read_head(loaded.source, loaded.cfg, loaded.run_config)
     assert pooling == cfg.reward.pooling
     pairs = reward.load_data(cfg)
     params = {**loaded.params, step.TASK_PARAMS: {reward.HEAD: head}}
@@ -119,7 +119,7 @@ def test_reward_model_separates_heldout_pairs(sft_start, tmp_path):
     assert np.mean(chosen > rejected) == pytest.approx(metrics["accuracy"], abs=1e-9)
     assert hf_main(["export", str(tmp_path / "rm"), "--out", str(tmp_path / "hf")]) == 0
     exported = load_model(tmp_path / "hf")
-    exported_head, exported_pooling = reward.read_head(exported)
+    exported_head, exported_pooling = reward.read_head(exported.source, exported.cfg)
     assert exported_pooling == pooling
     from_export = reward.Scorer(exported.cfg, exported.params, exported.tokenizer, exported_head, pooling=pooling)
     np.testing.assert_allclose(from_export([p.messages("chosen") for p in pairs.eval_pairs[:8]]), chosen[:8],

@@ -176,7 +176,7 @@ def _reward_head(loaded) -> dict:
         return {}
     from maxlm.posttrain import reward
 
-    return {reward.HEAD_FILE: reward.head_file(*reward.read_head(loaded))}
+    return {reward.HEAD_FILE: reward.head_file(*reward.read_head(loaded.source, loaded.cfg, loaded.run_config))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@ Each step the loop draws ``prompts_per_step`` = TrainConfig.global_batch / ``gro
 completions of each from the current policy with ``maxlm.infer.generate`` (the KV-cache sampler;
 temperature, top-k, top-p), seeded by the step so a resumed run samples the same. A verifier scores
 each completion against the prompt's answer (``GRPOConfig.reward``: ``exact`` match of the reply,
-``contains``, ``similarity`` (partial credit: difflib's ratio of matching characters), or
-``python:MODULE:FUNCTION`` called as f(reply, answer) -> float). Within a group the
+``contains``, ``similarity`` (partial credit: difflib's ratio of matching characters),
+``python:MODULE:FUNCTION`` called as f(reply, answer) -> float, or ``model:RUN_DIR``, a reward model
+trained with ``maxlm.reward``, scoring each prompt with its reply). Within a group the
 advantage is A_i = (r_i - mean(r)) / (std(r) + 1e-4) (``scale_rewards``; without it r_i - mean(r),
 as Dr. GRPO: a group whose rewards barely differ then teaches little instead of as much as any). The loss per completion o_i, over its tokens t
 (with ratio_t = pi(o_t) / pi_old(o_t), pi_old the policy that sampled, equal to pi in value with one
@@ -29,6 +30,7 @@ import dataclasses
 import difflib
 import importlib
 import zlib
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -68,7 +70,46 @@ def verifier(spec: str) -> Callable[[str, str], float]:
             raise ConfigError(f"GRPOConfig.reward = {spec!r}: cannot import it ({err}); expected "
                               "python:MODULE:FUNCTION") from None
         return lambda reply, answer: float(fn(reply, answer))
-    raise ConfigError(f"GRPOConfig.reward = {spec!r} is not exact, contains, similarity or python:MODULE:FUNCTION")
+    raise ConfigError(f"GRPOConfig.reward = {spec!r} is not exact, contains, similarity, python:MODULE:FUNCTION "
+                      "or model:RUN_DIR")
+
+
+def load_reward_model(cfg: Config, spec: str) -> Any:
+    """``reward.Scorer`` of the reward run ``model:RUN_DIR`` names (its newest good checkpoint, on one
+    device); a ConfigError (one line) when it is not one."""
+    from maxlm import config as config_lib, model
+    from maxlm.posttrain import reward
+    from maxlm.train import checkpoint, loop
+
+    run = Path(spec.removeprefix("model:")).expanduser().resolve()
+    where = f"{cfg.source}: GRPOConfig.reward = {spec!r}"
+    if not (run / "config.gin").is_file():
+        raise ConfigError(f"{where}: {run / 'config.gin'} is missing (expected the run directory of a reward model)")
+    try:
+        run_cfg = config_lib.load(str(run / "config.gin"))
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {' '.join(str(err).split())}") from None
+    if run_cfg.train.task != "reward":
+        raise ConfigError(f"{where}: that run trained TrainConfig.task = {run_cfg.train.task!r}, not a reward model")
+    step_dir = loop.warm_start_dir(run_cfg.replace(train={"init_from": str(run)}))
+    model_cfg = dataclasses.replace(run_cfg.model, remat="none")
+    abstract = model.abstract_params(model_cfg)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = checkpoint.restore_state_params(step_dir, abstract, jax.tree.map(lambda _: one, abstract))
+    head, pooling = reward.read_head(step_dir, model_cfg, run_cfg)
+    return reward.Scorer(model_cfg, params, data.get_tokenizer(run_cfg.data.tokenizer), head, pooling=pooling)
+
+
+def reward_function(cfg: Config) -> Callable[[list[prompt_data.Prompt], list[str]], np.ndarray]:
+    """(prompts, replies) -> rewards [n]: the verifier GRPOConfig.reward names on each reply and its
+    prompt's answer, or a reward model (``model:RUN_DIR``) on each conversation."""
+    spec = cfg.grpo.reward
+    if spec.startswith("model:"):
+        scorer = load_reward_model(cfg, spec)
+        return lambda prompts, replies: scorer([p.messages + [{"role": "assistant", "content": r}]
+                                                for p, r in zip(prompts, replies)]).astype(np.float32)
+    fn = verifier(spec)
+    return lambda prompts, replies: np.array([fn(r, p.answer) for p, r in zip(prompts, replies)], np.float32)
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -150,7 +191,7 @@ class Rollout:
 
     def __init__(self, cfg: Config, pdata: prompt_data.PromptData, tokenizer: Any, mesh):
         self.cfg, self.data, self.tokenizer, self.mesh = cfg, pdata, tokenizer, mesh
-        self.reward = verifier(cfg.grpo.reward)
+        self.reward = reward_function(cfg)
 
     def sample(self, params: Any, prompts: list[prompt_data.Prompt], n: int, seed: int,
                greedy: bool = False) -> tuple[list[np.ndarray], list[str], np.ndarray]:
@@ -163,9 +204,8 @@ class Rollout:
         ids = [p.ids for p in prompts for _ in range(n)]
         out = generate.run(self.cfg.model, step.model_part(params), ids, g.max_new_tokens, sampling=sampling,
                            stop_tokens=[self.tokenizer.eos_id], tokenizer=self.tokenizer, seed=seed)
-        answers = [p.answer for p in prompts for _ in range(n)]
         replies = [chat.read_reply(t) for t in out.texts]
-        return out.tokens, replies, np.array([self.reward(r, a) for r, a in zip(replies, answers)], np.float32)
+        return out.tokens, replies, self.reward([p for p in prompts for _ in range(n)], replies)
 
     def __call__(self, params: Any, batch: dict[str, np.ndarray], at_step: int) -> dict[str, np.ndarray]:
         g, tc = self.cfg.grpo, self.cfg.train

@@ -152,10 +152,11 @@ def reward_task(cfg: Config, forward: Callable, mesh=None) -> Task:
 # ---- scoring with a trained reward model
 
 
-def read_head(loaded: Any) -> tuple[dict, str]:
-    """(head, pooling) of a model opened by ``maxlm.hf.load.load_model``: from its reward run's
-    checkpoint, or from an export's ``HEAD_FILE``; a ConfigError (one line) when it holds none."""
-    source, model_cfg = Path(loaded.source), loaded.cfg
+def read_head(source: str | Path, model_cfg: Any, run: Config | None = None) -> tuple[dict, str]:
+    """(head, pooling) of a reward model: from its run's checkpoint folder ``source`` (``run`` its
+    config), or from an export's ``HEAD_FILE``; a ConfigError (one line) when it holds none. For a
+    model opened by ``maxlm.hf.load.load_model``: ``read_head(loaded.source, loaded.cfg, loaded.run_config)``."""
+    source = Path(source)
     shapes = {"score": jax.ShapeDtypeStruct((model_cfg.d_model,), jnp.dtype(model_cfg.param_dtype)),
               "bias": jax.ShapeDtypeStruct((), jnp.dtype(model_cfg.param_dtype))}
     if (source / HEAD_FILE).is_file():
@@ -166,7 +167,6 @@ def read_head(loaded: Any) -> tuple[dict, str]:
             head = {"score": jnp.asarray(f.get_tensor("score.weight")[0]),
                     "bias": jnp.asarray(f.get_tensor("score.bias")[0])}
         return head, pooling
-    run = loaded.run_config
     if (source / "state").is_dir() and run is not None and run.train.task == "reward":
         from maxlm.train import checkpoint
 
@@ -189,7 +189,7 @@ def head_file(head: dict, pooling: str) -> tuple[dict[str, np.ndarray], dict[str
 class Scorer:
     """A trained reward model as a scoring function: ``scorer(conversations)`` -> [n] rewards, each
     conversation a prompt's messages followed by its reply's (assistant) messages. Open one with
-    ``loaded = maxlm.hf.load.load_model(PATH)`` and ``head, pooling = read_head(loaded)``."""
+    ``loaded = maxlm.hf.load.load_model(PATH)`` and ``read_head(loaded.source, loaded.cfg, loaded.run_config)``."""
 
     def __init__(self, model_cfg, params: Any, tokenizer: Any, head: dict, batch: int = 16, pooling: str = "last"):
         self.cfg, self.params, self.tokenizer, self.head, self.batch = model_cfg, params, tokenizer, head, batch
