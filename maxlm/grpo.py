@@ -12,12 +12,14 @@ EPILOG = """examples:
   python -m maxlm.grpo --config=grpo_tiny.gin                      # from runs/sft_upper_250
   python -m maxlm.grpo --config=grpo_tiny.gin --gin_bindings="GRPOConfig.prompts='data/math/*.jsonl'"
   python -m maxlm.grpo --config=grpo_tiny.gin --gin_bindings="GRPOConfig.reward='python:my_rewards:score'"
+  python -m maxlm.grpo --config=grpo_tiny.gin --gin_bindings="GRPOConfig.reward='model:runs/reward_tiny'"
 
 GRPOConfig.prompts: JSONL lines {"prompt": a string or chat messages, "answer": a string}, or
 synthetic:upper|reverse|sort|capitalize[:N]. Bad lines are counted and listed with FILE:LINE, never
 fatal. Each step samples GRPOConfig.group_size completions of TrainConfig.global_batch / group_size
-prompts from the current policy, scores them (reward exact | contains | python:MODULE:FUNCTION, called
-as f(reply, answer) -> float), and trains on group-normalised advantages with a clipped objective
+prompts from the current policy, scores them (GRPOConfig.reward: exact | contains | similarity |
+python:MODULE:FUNCTION, called as f(reply, answer) -> float | model:RUN_DIR, a reward model trained
+with python -m maxlm.reward), and trains on group-relative advantages with a clipped objective
 (clip_range) and a KL penalty (kl_coef) to the run's frozen start. Logged: reward, reward_std, kl,
 clip_fraction, completion_length; each evaluation logs eval/reward (greedy replies to held-out
 prompts). Rerunning with the same --run_dir resumes, sampling the same completions."""
