@@ -189,8 +189,8 @@ def training_rows(prompt_ids: list[np.ndarray], completions: list[np.ndarray], s
 class Rollout:
     """``rollout(params, {"index": [P]}, step)`` -> a GRPO_BATCH of P * group_size completions."""
 
-    def __init__(self, cfg: Config, pdata: prompt_data.PromptData, tokenizer: Any, mesh):
-        self.cfg, self.data, self.tokenizer, self.mesh = cfg, pdata, tokenizer, mesh
+    def __init__(self, cfg: Config, pdata: prompt_data.PromptData, tokenizer: Any):
+        self.cfg, self.data, self.tokenizer = cfg, pdata, tokenizer
         self.reward = reward_function(cfg)
 
     def sample(self, params: Any, prompts: list[prompt_data.Prompt], n: int, seed: int,
@@ -252,7 +252,7 @@ def grpo_task(cfg: Config, forward: Callable, mesh=None) -> Task:
     say(f"grpo: {tc.global_batch // g.group_size} prompts x {g.group_size} completions a step, reward "
         f"{g.reward!r}, clip {g.clip_range}, KL coefficient {g.kl_coef}"
         + (f" to {reference.what}" if reference is not None else " (no reference)"), flush=True)
-    rollout = Rollout(cfg, pdata, tokenizer, mesh)
+    rollout = Rollout(cfg, pdata, tokenizer)  # samples on the parameters' own mesh
 
     def train_batches():
         return prompt_data.index_iterator(pdata, prompts_per_step=tc.global_batch // g.group_size,
