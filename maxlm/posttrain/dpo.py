@@ -198,6 +198,25 @@ def load_data(cfg: Config) -> preference.PreferenceData:
     return load_pairs(cfg, "dpo")
 
 
+def pair_batches(cfg: Config, pairs: preference.PreferenceData, tokenizer: Any,
+                 extra_identity: dict) -> tuple[Callable, Callable, Callable]:
+    """(train_batches, eval_batches, every held-out batch) of a preference task's pairs on this
+    process (DPO's and the reward model's)."""
+    tc = cfg.train
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+    def train_batches():
+        return preference.train_iterator(pairs, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
+                                         seed=cfg.data.seed, prefetch=cfg.data.prefetch, **where,
+                                         extra_identity=extra_identity)
+
+    def held_out(num_batches):
+        return preference.eval_batches(pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
+                                       num_batches=num_batches, **where)
+
+    return train_batches, lambda: held_out(tc.eval_batches), lambda: held_out(None)
+
+
 def heldout_metrics(loss_fn: step.LossFn, params: Any, batches: list[dict], mesh, batch_spec: dict) -> dict[str, float]:
     """The loss and TRL's metrics, means over the held-out pairs of ``batches``."""
     fn = jax.jit(lambda p, b: loss_fn(p, b, None))
@@ -233,7 +252,7 @@ def dpo_task(cfg: Config, forward: Callable, mesh=None) -> Task:
     from maxlm.posttrain import sft
 
     mesh = mesh or sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
-    d, tc = cfg.dpo, cfg.train
+    d = cfg.dpo
     pairs = load_data(cfg)
     tokenizer = data.get_tokenizer(cfg.data.tokenizer)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -253,22 +272,12 @@ def dpo_task(cfg: Config, forward: Callable, mesh=None) -> Task:
     else:
         say(f"dpo: reference = {reference.what}; beta {d.beta}, loss {d.loss_type}"
             + (f", label smoothing {d.label_smoothing}" if d.label_smoothing else ""), flush=True)
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
     loss_fn = make_loss(cfg, forward, reference)
-
-    def train_batches():
-        return preference.train_iterator(pairs, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
-                                         seed=cfg.data.seed, prefetch=cfg.data.prefetch, **where,
-                                         extra_identity={"DPOConfig.precompute_ref": d.precompute_ref})
-
-    def eval_batches():
-        return preference.eval_batches(pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
-                                       num_batches=tc.eval_batches, **where)
+    train_batches, eval_batches, all_held_out = pair_batches(cfg, pairs, tokenizer,
+                                                             {"DPOConfig.precompute_ref": d.precompute_ref})
 
     def sample(params) -> str:
-        m = heldout_metrics(loss_fn, params, preference.eval_batches(
-            pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch, num_batches=None, **where),
-            mesh, batch_spec)
+        m = heldout_metrics(loss_fn, params, all_held_out(), mesh, batch_spec)
         lines = [f"held-out pairs ({int(m['pairs'])}): loss {m['loss']:.4f}, "
                  + ", ".join(f"{k} {m[k]:.4g}" for k in METRICS)]
         if d.eval_prompts:

@@ -112,37 +112,23 @@ def load_data(cfg: Config) -> preference.PreferenceData:
 def reward_task(cfg: Config, forward: Callable, mesh=None) -> Task:
     """The Task (``forward`` is unused: the head needs the final hidden states, which
     ``model.forward_hidden`` returns)."""
-    from maxlm.posttrain.dpo import PAIR_BATCH, heldout_metrics
+    from maxlm.posttrain.dpo import PAIR_BATCH, heldout_metrics, pair_batches
 
     del forward
+    # MeshConfig.pipeline > 1 never gets here: validate refuses it (the pipeline does not collect
+    # the final hidden states).
     mesh = mesh or sharding.make_mesh(cfg.mesh.shape(jax.device_count()))
-    if mesh.shape["pipeline"] > 1:
-        raise ConfigError(f"{cfg.source}: TrainConfig.task = 'reward' reads the final hidden states, which the "
-                          f"pipeline does not collect: use MeshConfig.pipeline = 1 (it resolves to "
-                          f"{mesh.shape['pipeline']})")
-    tc = cfg.train
     pairs = load_data(cfg)
     tokenizer = data.get_tokenizer(cfg.data.tokenizer)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(pairs.report.summary("preference data"), flush=True)
     if pairs.eval_report is not None:
         say(pairs.eval_report.summary("preference eval data"), flush=True)
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
     loss_fn = make_loss(cfg)
-
-    def train_batches():
-        return preference.train_iterator(pairs, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
-                                         seed=cfg.data.seed, prefetch=cfg.data.prefetch, **where,
-                                         extra_identity={"task": "reward"})
-
-    def eval_batches():
-        return preference.eval_batches(pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch,
-                                       num_batches=tc.eval_batches, **where)
+    train_batches, eval_batches, all_held_out = pair_batches(cfg, pairs, tokenizer, {"task": "reward"})
 
     def sample(params) -> str:
-        m = heldout_metrics(loss_fn, params, preference.eval_batches(
-            pairs.eval, tokenizer, seq_len=tc.seq_len, global_batch=tc.global_batch, num_batches=None, **where),
-            mesh, PAIR_BATCH)
+        m = heldout_metrics(loss_fn, params, all_held_out(), mesh, PAIR_BATCH)
         return (f"held-out pairs ({int(m['pairs'])}): loss {m['loss']:.4f}, "
                 + ", ".join(f"{k} {m[k]:.4g}" for k in METRICS))
 
