@@ -192,6 +192,7 @@ class Rollout:
     def __init__(self, cfg: Config, pdata: prompt_data.PromptData, tokenizer: Any):
         self.cfg, self.data, self.tokenizer = cfg, pdata, tokenizer
         self.reward = reward_function(cfg)
+        self._held: tuple | None = None  # (a leaf of the parameters, held-out prompts, replies, rewards)
 
     def sample(self, params: Any, prompts: list[prompt_data.Prompt], n: int, seed: int,
                greedy: bool = False) -> tuple[list[np.ndarray], list[str], np.ndarray]:
@@ -218,13 +219,16 @@ class Rollout:
         return {**rows, "advantages": advantages, "rewards": rewards, "reward_std": std,
                 "rows": np.ones(rewards.size, np.float32)}
 
-    def heldout_reward(self, params: Any) -> float:
-        """Mean reward of greedy replies to the held-out prompts (``GRPOConfig.eval_prompts`` of them)."""
-        held = self.data.eval[:self.cfg.grpo.eval_prompts]
-        if not held:
-            return float("nan")
-        _, _, rewards = self.sample(params, held, 1, 0, greedy=True)
-        return float(rewards.mean())
+    def heldout(self, params: Any) -> tuple[list[prompt_data.Prompt], list[str], np.ndarray]:
+        """(prompts, greedy replies, rewards) of the held-out prompts (``GRPOConfig.eval_prompts`` of
+        them). The run's last evaluation and its closing sample ask for the same parameters: the
+        answer for the newest parameters is kept, so they are generated once."""
+        leaf = jax.tree.leaves(params)[0]
+        if self._held is None or self._held[0] is not leaf:
+            held = self.data.eval[:self.cfg.grpo.eval_prompts]
+            _, replies, rewards = self.sample(params, held, 1, 0, greedy=True) if held else ([], [], np.zeros(0))
+            self._held = (leaf, held, replies, rewards)
+        return self._held[1:]
 
 
 def load_data(cfg: Config) -> prompt_data.PromptData:
@@ -259,13 +263,12 @@ def grpo_task(cfg: Config, forward: Callable, mesh=None) -> Task:
                                           seed=cfg.data.seed)
 
     def eval_metrics(params) -> dict[str, float]:
-        return {"reward": rollout.heldout_reward(params)} if g.eval_prompts else {}
+        return {"reward": float(rollout.heldout(params)[2].mean())} if pdata.eval[:g.eval_prompts] else {}
 
     def sample(params) -> str:
-        held = pdata.eval[:g.eval_prompts]
+        held, replies, rewards = rollout.heldout(params)
         if not held:
-            return "no held-out prompts (GRPOConfig.eval_fraction = 0)"
-        _, replies, rewards = rollout.sample(params, held, 1, 0, greedy=True)
+            return "no held-out prompts (GRPOConfig.eval_fraction = 0 or eval_prompts = 0)"
         lines = [f"held-out prompts ({len(held)}): mean reward of greedy replies {rewards.mean():.3f}"]
         for p, reply in list(zip(held, replies))[:5]:
             lines.append(f"  {p.messages[-1]['content']!r} -> {reply!r} (answer {p.answer!r})")
