@@ -119,5 +119,8 @@ def test_model_with_blocked_attention_matches_dense_reference(monkeypatch):
 
     got = logits_and_grads(cfg)
     want = logits_and_grads(ModelConfig(**{**cfg.__dict__, "attention_impl": "reference"}))
+    # Blocked and dense sum the softmax in different orders; in fp32 over 2*BLOCK+9 positions and
+    # gradients of sum(sin(logits)) with logits ~30, that reorders to ~1e-4 relative (jax 0.12's
+    # XLA:CPU parted by 6e-5 at one element of 8448). A masking error would part by O(1).
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
