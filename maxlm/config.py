@@ -211,6 +211,13 @@ class OptimConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
     microbatches: int = 1  # gradient accumulation inside the jitted step
     loss_scale: float = 2.0**15  # initial dynamic loss scale (used only when dtype is float16)
+    # Host offload (JAX memory kinds, maxlm.train.step): keep the optimizer state in pinned host
+    # memory between steps; the step copies it to the device for the update and back. Device
+    # memory falls by the optimizer state (AdamW: 8 bytes per parameter over the fsdp shards).
+    offload_state: bool = False
+    # ...and the parameters too (MaxText's parameter offload): the step copies them all to the
+    # device at its start, so this frees device memory between steps, not at the step's peak.
+    offload_params: bool = False
 
 
 @gin.configurable
@@ -589,6 +596,22 @@ def quant_mesh_problem(m: ModelConfig, degrees: dict[str, int]) -> str | None:
     return None
 
 
+def _check_offload(cfg: Config) -> None:
+    """OptimConfig.offload_params: only the train and eval steps copy host-resident parameters to
+    the device, so nothing else the run does may read them (sampling, evaluation tasks, the
+    post-training tasks' own evaluation and rollouts)."""
+    t = cfg.train
+    if not cfg.optim.offload_params:
+        return
+    users = [(t.sample_tokens, f"TrainConfig.sample_tokens = {t.sample_tokens} (set 0)"),
+             (t.eval_tasks.strip(), f"TrainConfig.eval_tasks = {t.eval_tasks!r} (set '')"),
+             (t.task != "pretraining", f"TrainConfig.task = {t.task!r} (offload only the optimizer state)")]
+    for used, what in users:
+        if used:
+            raise ConfigError(f"{cfg.source}: OptimConfig.offload_params = True keeps the parameters in host "
+                              f"memory, where only the train and eval steps read them, not {what}")
+
+
 def _check_task(cfg: Config) -> None:
     """TrainConfig.task known, and each post-training section complete for its task and unset
     otherwise (``maxlm.posttrain_config``; files are read when the run starts)."""
@@ -656,6 +679,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     problem = mesh_problem(cfg, degrees) or quant_mesh_problem(m, degrees)
     if problem:
         raise ConfigError(f"{src}: {problem}")
+    if o.offload_state or o.offload_params:  # host offload needs a host memory kind on this backend
+        from maxlm.parallel.sharding import host_memory_problem
+
+        problem = host_memory_problem()
+        if problem:
+            which = " and ".join(f"OptimConfig.{f} = True" for f in ("offload_state", "offload_params")
+                                 if getattr(o, f))
+            raise ConfigError(f"{src}: {which} needs host memory, but {problem}; set it to False")
     if cfg.data.shards and (cfg.data.shards % jax.process_count() or t.global_batch % cfg.data.shards):
         raise ConfigError(f"{src}: DataConfig.shards = {cfg.data.shards} must be a multiple of the process "
                           f"count {jax.process_count()} and divide TrainConfig.global_batch = {t.global_batch}")

@@ -3,7 +3,8 @@
 ``logical_to_spec`` maps a tuple of logical names to a ``PartitionSpec``; ``constrain`` pins an
 activation's sharding by logical names; ``mesh_shardings`` turns a tree of logical specs into
 ``NamedSharding``s. The scaling-book notation of every layer sits next to the table in
-``maxlm/rules.py``.
+``maxlm/rules.py``. ``in_memory`` and ``move`` handle host offload: a sharding whose memory kind
+is ``HOST`` keeps each shard in the pinned host memory beside its device (JAX memory kinds).
 """
 
 from __future__ import annotations
@@ -62,3 +63,36 @@ def mesh_shardings(logical_tree: Any, mesh: Mesh) -> Any:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length")))
+
+
+HOST = "pinned_host"  # the host memory kind offloaded state lives in (JAX memory kinds)
+DEVICE = "device"
+
+
+def in_memory(shardings: Any, kind: str | None) -> Any:
+    """The shardings with memory kind ``kind`` (unchanged for None): same spec, other memory."""
+    return shardings if kind is None else jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def on_host(s: Any) -> bool:
+    return getattr(s, "memory_kind", None) == HOST
+
+
+def move(tree: Any, shardings: Any, kind: str) -> Any:
+    """Inside jit: each leaf whose sharding is in host memory copied to ``kind`` memory ("device"
+    to use it, ``HOST`` to put it back); the others as they are. XLA schedules the copies
+    (asynchronously where the backend can), so they overlap the computation around them."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(kind)) if on_host(s) else x,
+                        tree, shardings)
+
+
+def host_memory_problem(devices: Sequence[jax.Device] | None = None) -> str | None:
+    """Why these devices cannot hold arrays in ``HOST`` memory, or None if they can."""
+    device = list(devices if devices is not None else jax.devices())[0]
+    try:
+        kinds = sorted({m.kind for m in device.addressable_memories()})
+    except Exception as err:  # a backend without the memories API
+        return f"the {device.platform} backend reports no memory kinds ({type(err).__name__})"
+    if HOST not in kinds:
+        return f"the {device.platform} backend has no {HOST!r} memory (it has {', '.join(kinds)})"
+    return None

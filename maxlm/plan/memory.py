@@ -29,6 +29,14 @@ gpt2_124m and gpt175b (toy models, where fixed overheads dominate, read higher).
 512-wide 8-layer model on 8 devices reads 0.95-1.09 with 2-4 pipeline microbatches (circular
 too), 1.10-1.18 with one. They follow
 ``maxlm.model.attention``'s XLA path: when that changes, rerun --aot and refit ``layer_tensors``.
+
+Host offload (``OptimConfig.offload_state`` / ``offload_params``) is read off the same shardings:
+a leaf whose memory kind is ``pinned_host`` counts in ``host`` (bytes of host memory per device),
+not on the device. Offloaded optimizer state leaves the device total; the update brings it back
+for a moment, after the backward pass has freed the activations, so it adds only where it
+exceeds activations + workspace (``detail.offload_transient``). Offloaded parameters count on
+both: the step copies them all to the device for the forward and backward passes, so they free
+device memory between steps, not at the step's peak.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from maxlm import model, rules
 from maxlm.model import attention, lora
 from maxlm.config import Config
-from maxlm.parallel import pipeline_parallel
+from maxlm.parallel import pipeline_parallel, sharding
 from maxlm.train import optim, step
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,8 +76,9 @@ def _is_layer(path: tuple[Any, ...]) -> bool:
 def state_bytes(cfg: Config, degrees: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of parameters, gradients and optimizer state, from the real shardings.
 
-    Also the per-layer share of each (``layer_*``: the part that scales with n_layers) and one
-    layer's weights as the forward sees them (gathered over fsdp, still split over tensor)."""
+    Also the per-layer share of each (``layer_*``: the part that scales with n_layers), one
+    layer's weights as the forward sees them (gathered over fsdp, still split over tensor), and
+    the bytes of each kept in host memory between steps (``*_host``: offloaded)."""
     # Only the shapes matter: normalise what cannot change them, so planning variants is cheap.
     shapes_only = dataclasses.replace(cfg.model, remat="none", attention_impl="xla")
     key = dataclasses.replace(cfg, model=shapes_only, train=dataclasses.replace(cfg.train, steps=1))
@@ -89,18 +98,19 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
     opt_state = jax.eval_shape(optimizer.init, train_params)
 
     def per_device(tree, shardings_tree):
-        total = layers = 0
+        total = layers = host = 0
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         for (path, leaf), sh in zip(leaves, jax.tree.leaves(shardings_tree)):
             b = _nbytes(sh.shard_shape(leaf.shape), leaf.dtype)
             total += b
             layers += b if _is_layer(path) else 0
-        return total, layers
+            host += b if sharding.on_host(sh) else 0
+        return total, layers, host
 
-    p_total, p_layers = per_device(params, shardings.params)
+    p_total, p_layers, p_host = per_device(params, shardings.params)
     train_shardings, _ = step.split(shardings.params, step.trainable_mask(params, trainable))
-    g_total, _ = per_device(train_params, train_shardings)
-    o_total, o_layers = per_device(opt_state, shardings.opt_state)
+    g_total, _, _ = per_device(train_params, train_shardings)
+    o_total, o_layers, o_host = per_device(opt_state, shardings.opt_state)
     # One layer as the matmuls see it: gathered over fsdp (ZeRO-3), still split over tensor.
     gathered = dict(degrees, fsdp=1, pipeline=1)
     gmesh = abstract_mesh(gathered)
@@ -111,7 +121,8 @@ def _state_bytes(cfg: Config, degree_items: tuple[tuple[str, int], ...]) -> tupl
             shape = NamedSharding(gmesh, sh.spec).shard_shape(leaf.shape)
             one_layer += _nbytes(shape[1:], leaf.dtype)
     return (("params", p_total), ("grads", g_total), ("optimizer", o_total),
-            ("layer_params", p_layers), ("layer_optimizer", o_layers), ("one_layer_gathered", one_layer))
+            ("layer_params", p_layers), ("layer_optimizer", o_layers), ("one_layer_gathered", one_layer),
+            ("params_host", p_host), ("optimizer_host", o_host))
 
 
 def layer_tensors(cfg: Config, tensor: int) -> dict[str, float]:
@@ -177,8 +188,9 @@ def pipeline_schedule(cfg: Config, degrees: dict[str, int]) -> pipeline_parallel
 
 
 def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
-    """Per-device peak bytes: params, grads, optimizer, activations, workspace, total, and detail
-    (see the module docstring for what each part holds)."""
+    """Per-device peak bytes of device memory: params, grads, optimizer (the part kept on the
+    device), activations, workspace, total; host (bytes of host memory per device that offloaded
+    state keeps); and detail (see the module docstring for what each part holds)."""
     m, tc = cfg.model, cfg.train
     state = state_bytes(cfg, degrees)
     micro = cfg.optim.microbatches  # gradient accumulation: one optimizer microbatch live at a time
@@ -210,9 +222,13 @@ def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
     table = m.padded_vocab * m.d_model * p
     work = 2 * table + table / degrees["tensor"] + 2 * state["one_layer_gathered"]
     grads = state["grads"] * (2 if micro > 1 else 1)  # microbatches: accumulator + this one's
-    out = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"],
+    opt_host = state["optimizer_host"]
+    # Offloaded optimizer state is on the device only for the update, once the backward is done.
+    transient = max(0, opt_host - int(acts) - int(work))
+    out = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"] - opt_host,
            "activations": int(acts), "workspace": int(work)}
-    out["total"] = sum(out.values())
+    out["total"] = sum(out.values()) + transient
+    out["host"] = state["params_host"] + opt_host
     out["detail"] = {
         "peak_at": peak, "tokens_per_microbatch": tokens, "tokens_per_layer_call": layer_tokens,
         "layer_calls_saved": layer_calls, "pipeline_buffer": int(buffer),
@@ -220,5 +236,7 @@ def memory(cfg: Config, degrees: dict[str, int]) -> dict[str, Any]:
         "layer_backward_bytes_per_token": layer_bwd, "loss_bytes_per_token": loss,
         "layer_params": state["layer_params"], "layer_optimizer": state["layer_optimizer"],
         "one_layer_gathered": state["one_layer_gathered"],
+        "offloaded_optimizer": opt_host, "offloaded_params": state["params_host"],
+        "offload_transient": transient,
     }
     return out

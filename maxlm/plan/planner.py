@@ -8,7 +8,9 @@ FLOPs follow ``maxlm.model.flops.flops_per_token`` (PaLM appendix B, the functio
 uses): 6N per token counts the forward (2N) and the backward (4N) matmuls once each, so the
 popular "6 x params x seq_len per sequence, x 2 for the backward" counts the backward twice.
 For GPT-3 175B and 300B tokens, 6ND = 3.14e23 (Brown et al. 2020); attention's 12.L.H.Q.T adds
-2.8% at sequence 2048. Memory comes from ``maxlm.plan.memory``.
+2.8% at sequence 2048. Memory comes from ``maxlm.plan.memory``: device bytes (``total``, what must
+fit the GPU) and, with host offload (``OptimConfig.offload_state`` / ``offload_params``), the host
+memory per device that the offloaded state takes (``host``).
 
 The mesh's divisibility rules are ``maxlm.config.mesh_problem`` (derived from ``maxlm.rules``), and
 a pipeline's bubble is ``maxlm.parallel.pipeline_parallel.bubble_fraction`` of MeshConfig.pipeline,
@@ -19,7 +21,7 @@ pipeline_microbatches and pipeline_repeats: the numbers training checks and prin
   params, matmul_params, n_layers, seq_len, global_batch, microbatches, tokens_per_step, tokens,
   steps, flops_per_token, attention_flops_per_token, recompute_flops_per_token,
   model_flops_6nd (6 x params x tokens), flops_with_attention (flops_per_token x tokens),
-  memory {params, grads, optimizer, activations, workspace, total}, memory_detail {...},
+  memory {params, grads, optimizer, activations, workspace, total, host}, memory_detail {...},
   gpu_memory_bytes, fits, suggestions [{change, bindings, gpus, total_bytes, note}],
   peak_flops_per_gpu, mfu, pipeline_bubble, step_time_s, tokens_per_s, gpu_hours, days,
   price_per_gpu_hour, cost_usd, warnings [...], notes [...],
@@ -246,7 +248,8 @@ def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> li
     """For each kind of change (one field; pipeline stages with the pipeline microbatches they
     need), the smallest that brings the per-device total under ``limit``, computed with the same
     memory model; best first (least cost to throughput): cuDNN attention, more microbatches, a
-    stronger remat policy, more fsdp or pipeline stages out of the data axis, more GPUs into fsdp.
+    stronger remat policy, the optimizer state offloaded to host memory, more fsdp or pipeline
+    stages out of the data axis, more GPUs into fsdp.
     Which changes are valid is ``validate``'s (and so ``config.mesh_problem``'s) to say."""
     m, out = cfg.model, []
 
@@ -281,6 +284,11 @@ def suggestions(cfg: config.Config, degrees: dict[str, int], limit: float) -> li
         if memory(new, degrees)["activations"] < current and consider({"model": {"remat": policy}},
                                                                       degrees, note):
             break
+    if not cfg.optim.offload_state:
+        opt = memory(cfg, degrees)["optimizer"]
+        consider({"optim": {"offload_state": True}}, degrees,
+                 f"optimizer state in host memory: {opt / GB:.1f} GB per device copied to the GPU and "
+                 "back each step, overlapped with compute where XLA can")
     for k in _divisors(degrees["data"]):
         if consider({}, dict(degrees, data=degrees["data"] // k, fsdp=degrees["fsdp"] * k),
                     "ZeRO-3 over more devices: more all-gather/reduce-scatter traffic"):
@@ -430,6 +438,13 @@ def aot(cfg: config.Config, degrees: dict[str, int], layers: int = 0, stock: boo
         stats, seconds, upcast = _compile(cfg, degrees, stock)
         compiled = [m.n_layers]
     est = memory(cfg, degrees)
+    if cfg.optim.offload_state or cfg.optim.offload_params:
+        # XLA:CPU has one memory: its analysis counts pinned_host arguments as ordinary ones (its
+        # host_* sizes stay 0), so the compiled step is set beside the estimate without offload.
+        est = memory(cfg.replace(optim={"offload_state": False, "offload_params": False}), degrees)
+        notes.append("host offload compiled too, but XLA:CPU counts host-memory arguments with the device's: "
+                     "compared with the estimate without offload (the plan above moves "
+                     f"{memory(cfg, degrees)['host'] / GB:.2f} GB per device to the host)")
     total = stats["argument"] + stats["temp"] + stats["output"] - stats["alias"]
     est_state = est["params"] + est["optimizer"]
     est_temp = est["grads"] + est["activations"] + est["workspace"]
@@ -480,16 +495,22 @@ def format_text(r: dict[str, Any]) -> str:
         f"  memory/device {d['tokens_per_microbatch']:,} tokens per microbatch x {r['microbatches']} "
         "microbatch(es)" + (f", {d['tokens_per_layer_call']:,} per pipeline microbatch"
                             if mesh["pipeline"] > 1 else ""),
-        f"    parameters  {_g(mem['params'])}",
+        f"    parameters  {_g(mem['params'])}"
+        + (f"  (kept in host memory between steps: {_g(d['offloaded_params'])})" if d["offloaded_params"] else ""),
         f"    gradients   {_g(mem['grads'])}"
         + ("  (accumulator + microbatch)" if r["microbatches"] > 1 else ""),
-        f"    optimizer   {_g(mem['optimizer'])}",
+        f"    optimizer   {_g(mem['optimizer'])}"
+        + (f"  (+ {_g(d['offloaded_optimizer'])} in host memory)" if d["offloaded_optimizer"] else ""),
         f"    activations {_g(mem['activations'])}  (saved {_g(d['saved_activations'])}, peak at the "
         f"{d['peak_at'].replace('_', ' ')})",
         f"    workspace   {_g(mem['workspace'])}  (gathered embedding and its gradient, one gathered "
         "layer)",
         f"    total       {_g(mem['total'])} of {_g(r['gpu_memory_bytes'])}: "
-        + ("fits" if r["fits"] else "DOES NOT FIT"),
+        + ("fits" if r["fits"] else "DOES NOT FIT")
+        + (f" (with {_g(d['offload_transient'])} of offloaded optimizer state brought back for the update)"
+           if d["offload_transient"] else ""),
+        *([f"    host        {_g(mem['host'])} per device of offloaded state (pinned host memory)"]
+          if mem["host"] else []),
         f"  time          at {r['mfu']:.0%} MFU of {r['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s: step "
         f"{r['step_time_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s"
         + (f", pipeline bubble {r['pipeline_bubble']:.1%}" if mesh["pipeline"] > 1 else ""),
@@ -501,8 +522,8 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"  {'suggestion' if i == 0 else 'or':>10}: {s['change']} -> {_g(s['total_bytes'])} "
                      f"per device on {s['gpus']} GPUs ({s['note']})")
     if not r["fits"] and not r["suggestions"]:
-        lines.append("  no single change tried (cudnn attention, microbatches, remat, fsdp, pipeline, "
-                     "up to 64x the GPUs) fits")
+        lines.append("  no single change tried (cudnn attention, microbatches, remat, optimizer offload, "
+                     "fsdp, pipeline, up to 64x the GPUs) fits")
     if "aot" in r:
         a = r["aot"]
         lines += [

@@ -6,6 +6,12 @@ this module turns it into one jitted update with explicit in/out shardings and t
 What every task shares lives here once: microbatch accumulation, dynamic loss scaling, the bad-step
 guard (``maxlm.train.resilience``), global-norm clipping, and a trainable mask: frozen
 parameters are not differentiated, have no optimizer state and never change.
+
+Host offload (``OptimConfig.offload_state``, ``OptimConfig.offload_params``): ``state_shardings``
+gives the optimizer state (and the parameters) the ``pinned_host`` memory kind, so between steps
+they live in host memory; the jitted step takes and returns them there (its in/out shardings), and
+inside it copies them to the device where they are used and back when they are updated
+(``sharding.move``), copies XLA schedules around the computation. The numbers are the same.
 """
 
 from __future__ import annotations
@@ -125,7 +131,9 @@ def _opt_state_names(opt_state: Any, params: Any, names: Any) -> Any:
 def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
                     trainable: Callable[[Any], Any] | None = None,
                     task_params: TaskParams | None = None) -> TrainState:
-    """NamedShardings for every leaf of the TrainState (abstract: nothing is allocated)."""
+    """NamedShardings for every leaf of the TrainState (abstract: nothing is allocated); with
+    host offload the optimizer state's (``OptimConfig.offload_state``) and the parameters'
+    (``OptimConfig.offload_params``) are in ``pinned_host`` memory."""
     names = param_names(cfg)
     params = model.abstract_params(cfg.model)
     if task_params is not None:
@@ -135,9 +143,12 @@ def state_shardings(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransforma
     opt_state = jax.eval_shape(optimizer.init, train_params)
     train_names, _ = split(names, trainable_mask(params, trainable))
     replicated = NamedSharding(mesh, PartitionSpec())
+    host = lambda offload: sharding.HOST if offload else None
+    opt_names = _opt_state_names(opt_state, train_params, train_names)
     return TrainState(
-        step=replicated, params=sharding.mesh_shardings(names, mesh),
-        opt_state=sharding.mesh_shardings(_opt_state_names(opt_state, train_params, train_names), mesh),
+        step=replicated,
+        params=sharding.in_memory(sharding.mesh_shardings(names, mesh), host(cfg.optim.offload_params)),
+        opt_state=sharding.in_memory(sharding.mesh_shardings(opt_names, mesh), host(cfg.optim.offload_state)),
         loss_scale=jax.tree.map(lambda _: replicated, optim.LossScale.create(1.0)),
         guard=jax.tree.map(lambda _: replicated, resilience.Guard.create()))
 
@@ -154,6 +165,8 @@ def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: 
     base_only = params is not None and cfg.model.lora_rank and not lora.adapters(params)
 
     def init(rng, params):
+        if params is not None:  # given in host memory when offloaded: computed with on the device
+            params = sharding.move(params, given, sharding.DEVICE)
         if params is None or base_only:
             fresh = model.init_params(cfg.model, jax.random.split(rng)[1])
             params = fresh if params is None else lora.with_base(fresh, params)
@@ -161,15 +174,22 @@ def init_state(cfg: Config, optimizer: optax.GradientTransformation, shardings: 
             params = {**params, TASK_PARAMS: task_params.init(jax.random.split(rng)[0])}
         train_params, _ = split(params, trainable_mask(params, trainable))
         fp16 = cfg.model.dtype == "float16"
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(train_params),
-                          loss_scale=optim.LossScale.create(cfg.optim.loss_scale if fp16 else 1.0),
-                          guard=resilience.Guard.create())
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=optimizer.init(train_params),
+                           loss_scale=optim.LossScale.create(cfg.optim.loss_scale if fp16 else 1.0),
+                           guard=resilience.Guard.create())
+        return sharding.move(state, shardings, sharding.HOST)  # offloaded parts straight to the host
     given = lora.without_adapters(shardings.params) if base_only else shardings.params
     given = model_part(given) if fresh_task else given
     jitted = jax.jit(init, in_shardings=(None, given if params is not None else None),
                      out_shardings=shardings)
     return jitted(jax.random.PRNGKey(cfg.train.seed), params)
+
+
+def device_params(params: Any, shardings: TrainState) -> Any:
+    """The state's parameters in device memory (a copy if offloaded, else themselves), for code
+    outside the step that computes with them (sampling, evaluation tasks)."""
+    return sharding.move(params, shardings.params, sharding.DEVICE)
 
 
 # ---- the step
@@ -205,13 +225,23 @@ def _accumulate(loss_fn: LossFn, trainable: Any, frozen: Any, batch: dict, rng: 
 
 def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, loss_fn: LossFn,
                     batch_spec: dict[str, tuple[str, ...]], trainable: Callable[[Any], Any] | None = None,
-                    weight_key: str = "weights") -> Callable:
+                    weight_key: str = "weights", shardings: TrainState | None = None) -> Callable:
     """``train_step(state, batch)`` for a task's ``loss_fn``. The loss is normalised by the
-    batch's total weight (``batch[weight_key]`` summed, e.g. the loss-bearing tokens)."""
+    batch's total weight (``batch[weight_key]`` summed, e.g. the loss-bearing tokens).
+
+    ``shardings`` (``state_shardings``'), when any of them is in host memory: the step copies
+    those parts of the state to the device at its start and the new ones back at its end."""
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
     seed_key = jax.random.PRNGKey(cfg.train.seed)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        if shardings is None:
+            return device_step(state, batch)
+        # Host offload: the step uses the state on the device and returns it to the host.
+        new_state, metrics = device_step(sharding.move(state, shardings, sharding.DEVICE), batch)
+        return sharding.move(new_state, shardings, sharding.HOST), metrics
+
+    def device_step(state: TrainState, batch: dict[str, jax.Array]):
         mask = trainable_mask(state.params, trainable)
         train_params, frozen = split(state.params, mask)
         total_weight = jnp.maximum(jnp.sum(batch[weight_key]), 1.0)
@@ -255,13 +285,16 @@ def compile_steps(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformati
                   trainable: Callable[[Any], Any] | None = None,
                   weight_key: str = "weights") -> tuple[Callable, Callable]:
     """(train_step, eval_step) jitted with explicit shardings; train_step donates the state.
-    ``eval_step(params, batch) -> (loss_sum, weight)``; ``weight_key`` as ``make_train_step``'s."""
+    ``eval_step(params, batch) -> (loss_sum, weight)``; ``weight_key`` as ``make_train_step``'s.
+    Parts of the state in host memory (``shardings``' memory kinds) stay there between calls."""
     batch_sh = batch_shardings(batch_spec, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
-    train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable, weight_key),
+    train = jax.jit(make_train_step(cfg, optimizer, loss_fn, batch_spec, trainable, weight_key, shardings),
                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    evaluate = jax.jit(lambda params, batch: loss_fn(params, batch, None)[:2],  # no rng: deterministic
-                       in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+
+    def evaluate(params, batch):  # no rng: deterministic
+        return loss_fn(sharding.move(params, shardings.params, sharding.DEVICE), batch, None)[:2]
+    evaluate = jax.jit(evaluate, in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     return train, evaluate
 
 
