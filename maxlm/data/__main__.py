@@ -135,7 +135,14 @@ document with its stage and reason), OUT/report.json (the counts of every stage)
     p.add_argument("--max-doc-bytes", type=MAX_DOC_BYTES, default=32 << 20,
                    help="longer documents are dropped and counted")
     p.add_argument("--workers", type=WORKERS, default=min(os.cpu_count() or 1, 8),
-                   help="processes for the per-document stages (default: CPU count, at most 8; 0: none)")
+                   help="processes for the per-document stages (default: CPU count, at most 8; 0: none); "
+                   "with --engine ray and no --address, the CPUs of the local Ray instance")
+    p.add_argument("--engine", default="local", choices=("local", "ray"),
+                   help="local: this machine's processes (default); ray: Ray Data tasks, the same output "
+                   "(needs pip install 'maxlm[ray]')")
+    p.add_argument("--address", default="", metavar="ADDR",
+                   help="with --engine ray: a running Ray cluster (auto, HOST:PORT or ray://HOST:PORT); "
+                   "default: start one on this machine")
     p.add_argument("--docs-per-shard", type=POSITIVE, default=50_000, help="documents per output file")
     p.add_argument("--limit", type=NONNEG, default=0, help="stop after this many documents (0: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -225,7 +232,10 @@ def run_clean(args) -> dict:
         perplexity_drop=args.perplexity_drop, perplexity_tokens=args.perplexity_tokens,
         max_doc_bytes=args.max_doc_bytes, workers=args.workers, docs_per_shard=args.docs_per_shard,
         limit=args.limit)
-    report = clean.clean(args.source, args.out, opts, progress=not args.quiet, overwrite=args.overwrite)
+    if args.address and args.engine != "ray":
+        raise ValueError(f"--address {args.address}: only used with --engine ray")
+    report = clean.clean(args.source, args.out, opts, progress=not args.quiet, overwrite=args.overwrite,
+                         engine=args.engine, address=args.address)
     print(clean.summary(report))
     return report
 

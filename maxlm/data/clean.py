@@ -17,6 +17,10 @@ Every dropped document is also listed, with its stage and reason, in ``DIR/audit
 kept ones go to ``DIR/part-NNNNN.jsonl`` as ``{"id": ..., "text": ...}``, ready for
 ``jsonl:DIR/*.jsonl`` in ``train-tokenizer``, ``prepare`` or ``DataConfig.source``. ``DIR`` appears
 whole or not at all (built in a hidden sibling, report.json last; see maxlm.data.atomic).
+
+Two engines, one output: ``local`` (this process, with ``workers`` processes for the per-document
+stages) and ``ray`` (maxlm.data.clean_ray: the per-document stages and the dedup decisions as Ray Data
+tasks on a cluster); both book and write the documents here, through ``_account``.
 """
 
 from __future__ import annotations
@@ -178,28 +182,65 @@ class _Writer:
 OWNED = r"(part|kept)-\d{5}\.jsonl|report\.json|audit"
 
 
+class LocalDedup:
+    """The dedup decisions of the single-machine engine, made as the documents stream by in order:
+    exact (first copy kept) and near (maxlm.data.dedup.NearDedup). ``maxlm.data.clean_ray`` answers
+    the same two questions from decisions its cluster made beforehand."""
+
+    def __init__(self, opts: CleanOptions):
+        self.seen: set[bytes] = set()
+        self.near = dedup.NearDedup(opts.near_threshold, opts.num_perm, opts.shingle) if opts.near_dedup else None
+
+    def exact_duplicate(self, index: int, key: bytes) -> bool:
+        """Whether document ``index`` (position in the source) repeats an earlier one's text."""
+        if key in self.seen:
+            return True
+        self.seen.add(key)
+        return False
+
+    def near_duplicate(self, index: int, doc_id: str, sig) -> tuple[str | None, float]:
+        """(id of the kept document it near-duplicates or None, estimated Jaccard)."""
+        return self.near.add(doc_id, sig)
+
+
 def clean(source: str, out_dir: str, opts: CleanOptions = CleanOptions(), progress: bool = True,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, engine: str = "local", address: str = "") -> dict:
     """Run every stage over ``source`` into ``out_dir``; returns the report (also written there).
 
-    The output is built in a hidden sibling and appears at ``out_dir`` only when complete, its
-    report.json written last (maxlm.data.atomic). A finished ``out_dir`` is replaced only with
-    ``overwrite``; an ``out_dir`` that is, holds or lies inside an input is refused."""
+    ``engine="ray"`` runs the per-document stages and the dedup decisions as Ray Data tasks
+    (maxlm.data.clean_ray) on a local Ray instance with ``opts.workers`` CPUs, or on the cluster at
+    ``address``; the output is the same. The output is built in a hidden sibling and appears at
+    ``out_dir`` only when complete, its report.json written last (maxlm.data.atomic). A finished
+    ``out_dir`` is replaced only with ``overwrite``; an ``out_dir`` that is, holds or lies inside an
+    input is refused."""
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine = {engine!r}: use 'local' or 'ray'")
+    if engine == "ray":
+        from maxlm.data import clean_ray  # fails with one line when Ray is missing
+
+        clean_ray.check()
     inputs = input_paths(source)
     if opts.perplexity_run:
         inputs.append(("--perplexity-run", opts.perplexity_run))
     atomic.check_disjoint(out_dir, inputs)
     src = open_source(source, opts.max_doc_bytes)
     with atomic.Output(out_dir, "clean", overwrite=overwrite, marker="report.json", owned=OWNED) as tmp:
+        if engine == "ray":
+            with clean_ray.session(address, opts.workers, progress) as info:
+                return _clean_into(src, source, tmp, out_dir, opts, progress,
+                                   engine=lambda total: clean_ray.run(src, total, opts, progress), info=info)
         return _clean_into(src, source, tmp, out_dir, opts, progress)
 
 
-def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, progress: bool) -> dict:
-    """The stages, writing into ``tmp``; report.json, the completion marker, goes last."""
+def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, progress: bool,
+                engine=None, info: dict | None = None) -> dict:
+    """The stages, writing into ``tmp``; report.json, the completion marker, goes last.
+
+    ``engine(total)``, when given, returns ((record, result) pairs in source order, the dedup
+    decisions): the records are booked and written here exactly as the local engine's are."""
     t0 = time.perf_counter()
     stages = {name: _Stage(name) for name in STAGES}
-    near = dedup.NearDedup(opts.near_threshold, opts.num_perm, opts.shingle) if opts.near_dedup else None
-    seen_exact: set[bytes] = set()
+    dedups = LocalDedup(opts)  # also checks the near-dedup options before any work
     ppl = bool(opts.perplexity_run)
     writer = _Writer(tmp, opts.docs_per_shard, "kept" if ppl else "part")
     os.makedirs(os.path.join(tmp, "audit"))  # not matched by OUT/*.jsonl
@@ -218,7 +259,9 @@ def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, pr
     total = min(len(src), opts.limit) if opts.limit else len(src)
     records = (src.read(i) for i in range(total))
     pool = None
-    if opts.workers > 0:
+    if engine is not None:
+        results, dedups = engine(total)
+    elif opts.workers > 0:
         # Reading happens here while the workers run the per-document stages; imap keeps the order.
         pool = multiprocessing.get_context("spawn").Pool(opts.workers, _init_worker, (opts,))
         results = pool.imap(_process_record, records, chunksize=16)
@@ -238,7 +281,7 @@ def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, pr
                     read.fixed["invalid_utf8_bytes"] += rec.replaced
                     read.example("invalid_utf8", rec.id)
                     utf8.add(rec)
-                _account(rec, res, stages, drop, seen_exact, near, opts, writer)
+                _account(n - 1, rec, res, stages, drop, dedups, opts, writer)
             if n % 64 == 0:
                 bar.update(64)
                 bar.set_postfix(kept=writer.docs, refresh=False)
@@ -256,7 +299,8 @@ def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, pr
     dropped_f.close()
     report = {
         "format": "maxlm-clean-v1", "source": source, "source_repr": repr(src), "out": out_dir,
-        "options": _options_dict(opts), "seconds": round(time.perf_counter() - t0, 3),
+        "options": _options_dict(opts), "engine": info or {"name": "local", "workers": opts.workers},
+        "seconds": round(time.perf_counter() - t0, 3),
         "listing": src.problems.to_dict(),
         "stages": [stages[name].to_dict() for name in STAGES],
         "invalid_utf8": utf8.to_dict(),
@@ -268,7 +312,7 @@ def _clean_into(src, source: str, tmp: str, out_dir: str, opts: CleanOptions, pr
     return report
 
 
-def _account(rec, res, stages, drop, seen_exact, near, opts, writer) -> None:
+def _account(index, rec, res, stages, drop, dedups, opts, writer) -> None:
     """Book one document through the stages after read, in order, and write it if kept."""
     for name in ("normalise", "quality"):  # the per-document stages: counted fixes, or a drop
         stage = stages[name]
@@ -280,16 +324,14 @@ def _account(rec, res, stages, drop, seen_exact, near, opts, writer) -> None:
         stage.docs_out += 1
     ex = stages["exact_dedup"]
     ex.docs_in += 1
-    if res["key"] is not None:
-        if res["key"] in seen_exact:
-            drop("exact_dedup", "duplicate", rec.id)
-            return
-        seen_exact.add(res["key"])
+    if res["key"] is not None and dedups.exact_duplicate(index, res["key"]):
+        drop("exact_dedup", "duplicate", rec.id)
+        return
     ex.docs_out += 1
     nd = stages["near_dedup"]
     nd.docs_in += 1
-    if near is not None:
-        of, j = near.add(rec.id, res["sig"])
+    if opts.near_dedup:
+        of, j = dedups.near_duplicate(index, rec.id, res["sig"])
         if of is not None:
             drop("near_dedup", "near_duplicate", rec.id, f"of {of}, estimated Jaccard {j:.2f}",
                  duplicate_of=of, jaccard=round(j, 4))
@@ -350,8 +392,10 @@ def _options_dict(opts: CleanOptions) -> dict:
 
 def summary(report: dict) -> str:
     """The report as a few readable lines."""
+    engine = report.get("engine", {})
+    on = f", on Ray: {engine['address']}, {engine['cpus']} CPUs" if engine.get("name") == "ray" else ""
     lines = [f"clean {report['source']} -> {report['out']} "
-             f"({report['seconds']:.1f} s, {report['docs_per_s']:,.0f} docs/s)"]
+             f"({report['seconds']:.1f} s, {report['docs_per_s']:,.0f} docs/s{on})"]
     listing = report["listing"]["counts"]
     if listing:
         lines.append("  listing       skipped: " + ", ".join(f"{k} {v:,}" for k, v in listing.items()))
@@ -387,4 +431,4 @@ def check_accounting(report: dict) -> None:
         raise AssertionError(f"{prev_out} documents left the last stage but {report['output']['docs']} were written")
 
 
-__all__ = ["CleanOptions", "Problems", "check_accounting", "clean", "normalise", "summary"]
+__all__ = ["CleanOptions", "LocalDedup", "Problems", "check_accounting", "clean", "normalise", "summary"]

@@ -9,7 +9,10 @@ the same for English, Chinese and code. Documents stream through in order: each 
 queries the index of the documents kept so far; LSH, set ``lsh_margin`` below the threshold, finds
 candidates with high recall, and a candidate counts only when the MinHash estimate of its Jaccard
 similarity reaches ``threshold``, which removes LSH's false positives. A duplicate is dropped (and
-reported with the document it duplicates); anything else is kept and indexed. With the default 256
+reported with the document it duplicates, the earliest one on a tie); anything else is kept and
+indexed. Only LSH candidates are ever compared, so the decision for a document depends only on the
+documents it shares a band with: ``maxlm.data.clean_ray`` runs this same class once per connected
+component of the band graph, on a cluster, and gets the same result. With the default 256
 permutations the estimate's standard deviation near J = 0.8 is 0.025 (planted pairs at J >= 0.83
 are found 99% of the time); 128 halves the signature memory (1 KiB per kept document at 256) and
 lets more pairs just above the threshold slip through.
@@ -103,7 +106,7 @@ class NearDedup:
         if shingle < 1:  # 0 would make every document one empty shingle: all "duplicates"
             raise ValueError(f"near-dedup shingle = {shingle} must be at least 1 word")
         self.threshold, self.num_perm, self.shingle, self.seed = threshold, num_perm, shingle, seed
-        self.lsh = MinHashLSH(threshold=max(threshold - lsh_margin, 0.05), num_perm=num_perm)
+        self.lsh = MinHashLSH(num_perm=num_perm, params=lsh_params(threshold, num_perm, lsh_margin))
         self._perm = _permutations(num_perm, seed)  # shared by all signatures
         self.kept: list[np.ndarray] = []  # signatures of indexed documents, by key
         self.ids: list[str] = []
@@ -116,7 +119,7 @@ class NearDedup:
         m = MinHash(num_perm=self.num_perm, seed=self.seed, hashvalues=sig, permutations=self._perm,
                     scheme="affine32")
         best, best_j = None, 0.0
-        for key in self.lsh.query(m):
+        for key in sorted(self.lsh.query(m)):  # ties go to the earliest indexed document
             j = float(np.mean(self.kept[key] == sig))
             if j > best_j:
                 best, best_j = key, j
@@ -127,6 +130,14 @@ class NearDedup:
         self.kept.append(sig)
         self.ids.append(doc_id)
         return None, best_j
+
+
+@functools.lru_cache(maxsize=64)
+def lsh_params(threshold: float, num_perm: int, lsh_margin: float = 0.1) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's MinHashLSH picks for ``threshold - lsh_margin``: two
+    documents are LSH candidates when all ``rows`` values of some band agree."""
+    lsh = MinHashLSH(threshold=max(threshold - lsh_margin, 0.05), num_perm=num_perm)
+    return lsh.b, lsh.r
 
 
 @functools.lru_cache(maxsize=8)
