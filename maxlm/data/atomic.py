@@ -8,6 +8,10 @@ one. A killed run leaves only its hidden temporary, which globs skip (``*`` does
 leading dot) and readers refuse (no marker); the next run for the same path removes it once the
 process that made it is gone.
 
+An --out in a bucket (``gs://``, ``s3://``; ``maxlm.storage``) is built in a local temporary and
+uploaded when complete, its marker last, so a reader that finds the marker finds everything; a
+bucket directory that already holds anything is never replaced (choose a new --out).
+
 Nothing the command did not create is deleted. An --out that is, contains or lies inside an input
 is refused. An existing --out is replaced only with ``--overwrite``, only when it holds nothing but
 what the command writes, and only after the new output is complete.
@@ -19,10 +23,15 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable
+
+from maxlm import storage
 
 
 def _real(path: str) -> str:
+    if storage.is_remote(path):
+        return path.rstrip("/")
     return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
 
 
@@ -78,7 +87,8 @@ class Output:
 
     def __init__(self, final: str, command: str, *, overwrite: bool, marker: str | None = None,
                  owned: str | None = None):
-        self.final = os.path.abspath(os.path.expanduser(final))
+        self.remote = storage.is_remote(final)
+        self.final = final.rstrip("/") if self.remote else os.path.abspath(os.path.expanduser(final))
         self.command, self.overwrite, self.marker = command, overwrite, marker
         self.owned = re.compile(owned) if owned else None
         self.is_dir = marker is not None
@@ -90,6 +100,8 @@ class Output:
     def __enter__(self) -> str:
         if not self.name or self.name in (".", ".."):
             raise ValueError(f"--out {self.final!r} names no file or directory")
+        if self.remote:
+            return self._enter_remote()
         if os.path.isdir(self.parent):
             self._recover()
         self.replaces = self._check_existing()  # before anything is created, so a refusal leaves no trace
@@ -108,6 +120,19 @@ class Output:
             self._discard()
             raise
         return False
+
+    def _enter_remote(self) -> str:
+        target = storage.path(self.final)
+        if target.exists():
+            if self.is_dir:
+                raise ValueError(f"{self.final} already exists in the bucket; bucket outputs are never "
+                                 "replaced (choose a new --out)")
+            if not self.overwrite:
+                raise ValueError(f"{self.final} already exists; pass --overwrite to replace it")
+        self.tmp = tempfile.mkdtemp(prefix=f"maxlm-{self.name}-")
+        if not self.is_dir:
+            self.tmp = os.path.join(self.tmp, self.name)
+        return self.tmp
 
     def _recover(self) -> None:
         """Deal with what killed runs for this path left: a dead run's temporary is removed; a
@@ -158,7 +183,13 @@ class Output:
     def _publish(self) -> None:
         if self.is_dir and not os.path.isfile(os.path.join(self.tmp, self.marker)):
             raise RuntimeError(f"internal error: {self.marker} was not written")
-        if not self.is_dir:
+        if self.remote:  # one PUT per file, the marker last; then the local temporary goes
+            if self.is_dir:
+                storage.upload_tree(self.tmp, self.final, last=self.marker)
+            else:
+                storage.filesystem(self.final).put_file(self.tmp, self.final)
+            self._discard()
+        elif not self.is_dir:
             os.replace(self.tmp, self.final)  # atomic for a file, old or not
         elif self.replaces and os.path.lexists(self.final):
             os.rename(self.final, self._old)  # a kill between these two renames: _recover restores
@@ -172,8 +203,9 @@ class Output:
                                  f"({err.strerror}); this run's output is discarded") from None
 
     def _discard(self) -> None:
-        if os.path.lexists(self.tmp):
-            _remove(self.tmp)
+        local = os.path.dirname(self.tmp) if self.remote and not self.is_dir else self.tmp
+        if os.path.lexists(local):
+            _remove(local)
 
 
 def write_file(path: str, text: str, command: str) -> None:

@@ -30,6 +30,7 @@ from maxlm.data import atomic
 from maxlm.data.sources import Problems, Utf8Tally, input_paths, open_source, split, utf8_summary
 from maxlm.data.spec import read_packed_index
 from maxlm.data.tokenizer import get_tokenizer
+from maxlm.storage import local_input
 
 FIELDS = ("tokens", "segments", "positions")
 
@@ -223,7 +224,7 @@ class PackedRows:
     Item i is a dict of int32 arrays ``tokens``, ``segments``, ``positions`` of length seq_len."""
 
     def __init__(self, directory: str, split_name: str = "train"):
-        self.directory = os.path.expanduser(directory)
+        self.directory = local_input(directory)
         index = read_packed_index(directory)
         self.index, self.split, self.seq_len = index, split_name, index["seq_len"]
         entry = index["splits"].get(split_name, {"rows": 0, "shards": []})

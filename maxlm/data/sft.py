@@ -54,6 +54,7 @@ import numpy as np
 from maxlm.data import chat, clean, dedup, pii, quality
 from maxlm.data.pipeline import DataIterator, _grain_seed, features
 from maxlm.data.tokenizer import Tokenizer
+from maxlm.storage import local_input
 
 FORMATS = ("auto", "instruction", "chat")
 SYNTHETIC = ("reverse", "upper", "sort", "capitalize")
@@ -163,7 +164,7 @@ def _messages_of(record: Any, fmt: str) -> tuple[list[dict] | None, str]:
 def _files(spec: str) -> list[str]:
     paths: list[str] = []
     for part in [p.strip() for p in spec.split(";") if p.strip()]:
-        found = sorted(glob.glob(os.path.expanduser(part), recursive=True))
+        found = sorted(glob.glob(local_input(part), recursive=True))
         if not found:
             raise SFTDataError(f"no file matches {part!r}")
         paths += [p for p in found if os.path.isfile(p)]

@@ -42,6 +42,7 @@ import numpy as np
 
 from maxlm.data import compression
 from maxlm.data.spec import SourceSpec, parse_source
+from maxlm.storage import local_input
 
 log = logging.getLogger("maxlm.data")
 
@@ -300,7 +301,7 @@ def _relative_pattern(spec: str, root: str) -> str:
     if spec == "stdlib":
         return "stdlib"
     parsed = parse_source(spec)
-    expanded = os.path.expanduser(parsed.path)
+    expanded = local_input(parsed.path)
     rel = os.path.relpath(expanded, root) if root not in (".", "") else expanded
     return f"{parsed.kind}:{rel}"
 
@@ -319,7 +320,7 @@ def input_paths(spec: str | SourceSpec) -> list[tuple[str, str]]:
     what = f"source {spec.text!r}"
     if spec.kind == "stdlib":
         return [(what, sysconfig.get_paths()["stdlib"])]
-    expanded = os.path.expanduser(spec.path)
+    expanded = local_input(spec.path)
     if spec.kind != "packed" and glob.has_magic(expanded):
         return [(what, glob_root(expanded))]
     return [(what, expanded)]
@@ -333,7 +334,7 @@ def _unfinished_clean(directory: str) -> bool:
 
 def _list_files(spec: SourceSpec, max_doc_bytes: int) -> tuple[str, list[str], Problems]:
     """(root, sorted relative paths of files worth reading, listing problems) for a glob."""
-    expanded = os.path.expanduser(spec.path)
+    expanded = local_input(spec.path)
     root = glob_root(expanded)
     problems = Problems(keep_all=True)
     kept = []

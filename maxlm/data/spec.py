@@ -120,7 +120,9 @@ def check_config(data_cfg) -> None:
 
 def read_packed_index(directory: str) -> dict:
     """The index.json of a prepared directory; ValueError (one line) when it is missing or bad."""
-    path = os.path.join(os.path.expanduser(directory), "index.json")
+    from maxlm.storage import local_input  # a bucket folder is read through the local cache
+
+    path = os.path.join(local_input(directory), "index.json")
     try:
         with open(path) as f:
             index = json.load(f)

@@ -144,7 +144,9 @@ def get_tokenizer(name_or_path: str) -> Tokenizer:
     """``"byte"`` or the path of a ``tokenizer.json``. A bad value is a ValueError of one line."""
     if name_or_path == "byte":
         return ByteTokenizer()
-    path = os.path.expanduser(name_or_path)
+    from maxlm.storage import local_input  # a tokenizer.json in a bucket is read through the local cache
+
+    path = local_input(name_or_path)
     if not os.path.isfile(path):
         raise ValueError(f"DataConfig.tokenizer = {name_or_path!r} is neither 'byte' nor an existing "
                          "tokenizer.json (train one with `python -m maxlm.data train-tokenizer`)")

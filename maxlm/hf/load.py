@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from maxlm import config as config_lib
-from maxlm import model
+from maxlm import model, storage
 from maxlm.config import Config, ModelConfig
 from maxlm.infer.placement import inference_mesh, param_shardings
 
@@ -56,6 +56,9 @@ def _check_tensor(cfg: ModelConfig, mesh: jax.sharding.Mesh, source: str) -> Non
 def _run_config(run_dir: Path) -> Config:
     gin_path = run_dir / "config.gin"
     try:  # the mesh it trained on need not fit this machine: inference builds its own
+        if storage.is_remote(gin_path):  # gin reads local files only
+            with storage.local_copy(gin_path) as local:
+                return config_lib.load(str(local))
         return config_lib.load(str(gin_path))
     except config_lib.ConfigError as err:
         raise LoadError(f"{gin_path}: {str(err).removeprefix(gin_path.name + ': ')}") from None
@@ -191,7 +194,7 @@ def _with_adapter(loaded: LoadedModel, adapter: Path) -> LoadedModel:
 def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: int) -> LoadedModel:
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise LoadError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
-    path = Path(path).expanduser()
+    path = storage.path(path)
     if not path.exists():
         raise LoadError(f"{path}: does not exist (expected a maxlm run directory, RUN_DIR/checkpoints/STEP "
                         "or a Hugging Face directory)")

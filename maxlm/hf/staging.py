@@ -23,8 +23,11 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from maxlm import storage
 
 from maxlm.data.atomic import pid_alive  # one liveness check for every staged output
 from maxlm.hf.hf_config import HFExportError, HFImportError
@@ -140,7 +143,14 @@ def staged(run_dir: Path) -> Iterator[Path]:
 
 def check_export_out(out: str | Path) -> Path:
     """The real path of an export's --out, after refusing (one line each) a file, a path below a
-    file, and a non-empty directory (an export never merges into or overwrites anything)."""
+    file, and a non-empty directory (an export never merges into or overwrites anything). An --out
+    in a bucket must hold nothing yet."""
+    if storage.is_remote(out):
+        remote = storage.path(out)
+        if remote.exists():
+            raise HFExportError(f"--out {out}: already exists in the bucket; maxlm.hf export never "
+                                "overwrites (choose a new directory)")
+        return remote
     path = _real(out)
     if os.path.lexists(path):
         if not path.is_dir():
@@ -163,5 +173,14 @@ def staged_dir(out: Path) -> Iterator[Path]:
     def publish(stage: Path) -> None:
         os.rename(stage, out)  # atomic; fails (ENOTEMPTY) if --out was filled meanwhile
 
+    if storage.is_remote(out):  # built locally, uploaded whole with config.json last
+        with tempfile.TemporaryDirectory(prefix="maxlm-export-") as stage:
+            yield Path(stage)
+            try:
+                storage.upload_tree(stage, out, last="config.json")
+            except Exception as err:  # noqa: BLE001 - fsspec, botocore and google errors
+                raise HFExportError(f"{out}: upload failed ({type(err).__name__}: "
+                                    f"{' '.join(str(err).split())[:200]}); nothing complete was exported") from None
+        return
     with _staging(out, "export", HFExportError, publish, f"exported to {out}") as stage:
         yield stage

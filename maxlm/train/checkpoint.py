@@ -9,7 +9,8 @@ Layout of a run directory::
     RUN_DIR/checkpoints_rejected/<step>-<reason>/   checkpoints that failed verification, kept aside
 
 Orbax writes each step into a temporary folder and renames it when complete, so a crash mid-save
-never touches the previous checkpoint. The manifest is written last, after Orbax has committed the
+never touches the previous checkpoint. In a bucket (``gs://``, ``s3://``: ``maxlm.storage``), which
+has no rename, Orbax writes the step in place and marks it complete with a commit file. The manifest is written last, after Orbax has committed the
 step and its files were hashed: a step without a manifest is an interrupted save, and a file whose
 hash differs is corrupt. Both are moved aside (never deleted) and the previous good step is used.
 
@@ -31,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import jax
 import orbax.checkpoint as ocp
 
+from maxlm import storage
 from maxlm.config import CheckpointConfig
 
 MANIFEST = "manifest.json"
@@ -60,7 +61,7 @@ class DataStateHandler(ocp.CheckpointHandler):
 
     @staticmethod
     def _file(directory) -> Path:
-        return Path(directory) / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        return storage.path(directory) / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
     def save(self, directory, args: "DataStateSave") -> None:
         self._file(directory).write_text(json.dumps(args.state))
@@ -68,7 +69,7 @@ class DataStateHandler(ocp.CheckpointHandler):
     def restore(self, directory, args: "DataStateRestore | None" = None) -> dict:
         path = self._file(directory)
         if not path.exists():
-            saved = sorted(p.name for p in Path(directory).glob("process_*.json"))
+            saved = sorted(p.name for p in storage.path(directory).glob("process_*.json"))
             raise CheckpointError(f"{path} is missing: the data state was saved by {saved} "
                                   f"(another process count?)")
         return json.loads(path.read_text())
@@ -187,9 +188,9 @@ def _tensorstore_threads() -> list[int]:
 
 def _hash_files(step_dir: Path) -> dict[str, str]:
     hashes = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+    for path in (p for p in storage.files_under(step_dir) if p.name != MANIFEST):
         digest = hashlib.sha256()
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
         hashes[str(path.relative_to(step_dir))] = digest.hexdigest()
@@ -247,6 +248,14 @@ def checkpoint_problem(step_dir: Path) -> str | None:
     return None
 
 
+def _atomicity(run_dir) -> dict:
+    """A bucket has no rename: its steps are written in place and committed by a commit file
+    (Orbax >= 0.12.8). Local directories keep Orbax's default, the atomic rename."""
+    if not storage.is_remote(run_dir):
+        return {}
+    return {"atomicity_options": ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)}
+
+
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -256,14 +265,15 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, log: Callable[[str], None] = print,
                  compress: bool = COMPRESS_ARRAYS):
-        run_dir = Path(run_dir).expanduser().resolve()  # Orbax wants absolute paths
+        run_dir = storage.absolute(run_dir)  # Orbax wants absolute paths
         self.directory = run_dir / "checkpoints"
         self.rejected_dir = run_dir / "checkpoints_rejected"
         self.cfg, self.log = cfg, log
         self.is_writer = jax.process_index() == 0
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_to_keep, keep_period=cfg.keep_every_steps or None,
-            enable_async_checkpointing=cfg.async_save, create=True)
+            enable_async_checkpointing=cfg.async_save, create=True,
+            **_atomicity(run_dir))
         handlers = {"state": _state_handler(compress), "data": DataStateHandler(),
                     "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -320,9 +330,7 @@ class Checkpointer:
             if self.is_writer:
                 step_dir = self.directory / str(step)
                 manifest["files"] = _hash_files(step_dir) if self.cfg.verify_hashes else {}
-                tmp = step_dir / (MANIFEST + ".tmp")
-                tmp.write_text(json.dumps(manifest, indent=1))
-                tmp.rename(step_dir / MANIFEST)
+                storage.write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1))
         except BaseException as err:  # surfaced on the main thread by wait() or the next save()
             self._error = err
 
@@ -343,8 +351,11 @@ class Checkpointer:
     def close(self) -> None:
         try:
             self._join_finisher()
-        finally:
-            self.manager.close()
+        except CheckpointError:
+            with contextlib.suppress(Exception):  # Orbax re-raises the same failure: said in one line already
+                self.manager.close()
+            raise
+        self.manager.close()
 
     def abandon(self) -> None:
         """Close after a failure elsewhere: wait for the save in flight, report nothing more."""
@@ -366,7 +377,7 @@ class Checkpointer:
     def _move_aside(self, step: int, folder: Path, label: str) -> None:
         if self.is_writer:
             folder.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(self.directory / str(step)), str(folder / f"{step}-{label}-{int(time.time())}"))
+            storage.move_tree(self.directory / str(step), folder / f"{step}-{label}-{int(time.time())}")
         self.manager.reload()
 
     def reject(self, step: int, reason: str) -> None:
@@ -430,13 +441,13 @@ class Checkpointer:
 def save_params(path: str | Path, params: Any) -> None:
     """Write a parameter tree (blocking) to ``path``, which must not exist yet."""
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).expanduser().resolve(), params)
+        ckptr.save(storage.absolute(path), params)
 
 
 def restore_params(path: str | Path, abstract_params: Any, shardings: Any) -> Any:
     """Read a parameter tree written by ``save_params`` onto the given shardings."""
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(Path(path).expanduser().resolve(), _abstract(abstract_params, shardings))
+        return ckptr.restore(storage.absolute(path), _abstract(abstract_params, shardings))
 
 
 def restore_state_params(step_dir: str | Path, abstract_params: Any, shardings: Any) -> Any:
@@ -447,4 +458,4 @@ def restore_state_params(step_dir: str | Path, abstract_params: Any, shardings: 
     args = ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
                                   partial_restore=True)
     with ocp.PyTreeCheckpointer() as ckptr:
-        return ckptr.restore(Path(step_dir).expanduser().resolve() / "state", args=args)["params"]
+        return ckptr.restore(storage.absolute(step_dir) / "state", args=args)["params"]
