@@ -292,6 +292,33 @@ class TrainConfig:
     # model on preference pairs), "grpo" (GRPOConfig: RL from verifiable rewards). Each post-training task adds its name here and its
     # own config section, as SFTConfig does.
     task: str = "pretraining"
+    # The live cost line (devices x price x elapsed, shown beside tokens/s and logged as cost_usd):
+    # US$ per device-hour; 0 looks the device kind up in the planner's price table (maxlm.plan),
+    # and an unknown kind (a CPU) shows no cost.
+    price_per_device_hour: float = 0.0
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DoctorConfig:
+    """The run doctor's bounds (maxlm/train/doctor.py; README "Run doctor"). Windowed rules judge
+    the last ``window`` logged windows (TrainConfig.log_every steps each); each rule fires once."""
+
+    enabled: bool = True
+    window: int = 20  # logged windows a trend rule looks at (200 steps at log_every = 10)
+    flat_drop: float = 0.01  # train loss flat: it fell by less than this fraction over the window
+    flat_lr_fraction: float = 0.25  # ... judged only while the lr is above this fraction of its peak
+    oscillation: float = 0.02  # loss oscillating: its window-to-window variance (trend removed) over its mean
+    rise: float = 0.2  # loss diverging: the recent median loss above the run's best median by this fraction
+    overfit_rise: float = 0.02  # overfitting: eval loss above its best by this fraction while train falls by as much
+    grad_norm_high: float = 20.0  # the median gradient norm over the window above this ...
+    grad_norm_low: float = 0.1  # ... or below this
+    nonfinite_steps: int = 1  # non-finite steps (skipped updates) before the rule fires
+    # step time: the window's median above the run's early median by this fraction (and by three
+    # robust standard deviations of the early times, so a shared host's noise is not a straggler)
+    step_time_drift: float = 0.5
+    memory_headroom: float = 0.1  # free device memory (backend memory stats; none on CPU) below this fraction
+    data_wait: float = 0.2  # the share of the window's wall time spent waiting for batches above this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +334,7 @@ class Config:
     dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()
     grpo: GRPOConfig = GRPOConfig()
+    doctor: DoctorConfig = DoctorConfig()
     source: str = "<bindings>"  # the gin file it came from, for error messages
 
     def to_dict(self) -> dict[str, Any]:
@@ -321,7 +349,7 @@ class Config:
 
 SECTIONS = {"model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "train": TrainConfig, "sft": SFTConfig, "distill": DistillConfig,
-            "dpo": DPOConfig, "reward": RewardConfig, "grpo": GRPOConfig}
+            "dpo": DPOConfig, "reward": RewardConfig, "grpo": GRPOConfig, "doctor": DoctorConfig}
 TASKS = ("pretraining", "sft", "distill", "dpo", "reward", "grpo")
 
 
@@ -441,6 +469,12 @@ RANGES: dict[str, tuple[float, float, str]] = {
         "z_loss", "peak_flops", "sample_tokens", "spike_sigmas", "spike_warmup", "rollback_after")},
     "TrainConfig.seed": (0, SEED_LIMIT, "[low, high)"), "TrainConfig.spike_window": (2, math.inf, "[low, high)"),
     "TrainConfig.rollback_lr_factor": (0, 1, "(low, high]"),
+    "TrainConfig.price_per_device_hour": (0, math.inf, ">= 0"),
+    **{f"DoctorConfig.{f}": (0, math.inf, "positive") for f in (
+        "flat_drop", "oscillation", "rise", "overfit_rise", "grad_norm_high", "nonfinite_steps", "step_time_drift")},
+    "DoctorConfig.window": (4, math.inf, "[low, high)"),  # a trend needs a few points
+    "DoctorConfig.grad_norm_low": (0, math.inf, ">= 0"),
+    **{f"DoctorConfig.{f}": (0, 1, "[low, high]") for f in ("flat_lr_fraction", "memory_headroom", "data_wait")},
     **POSTTRAIN_RANGES,
 }
 
@@ -660,9 +694,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
                           f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
     _check_eval_tasks(src, t.eval_tasks)
+    _check_offload(cfg)
     if t.init_from and t.init_params:
         raise ConfigError(f"{src}: TrainConfig.init_from = {t.init_from!r} and TrainConfig.init_params = "
                           f"{t.init_params!r} both name the starting parameters; set one")
+    if cfg.doctor.grad_norm_low >= cfg.doctor.grad_norm_high:
+        raise ConfigError(f"{src}: DoctorConfig.grad_norm_low = {cfg.doctor.grad_norm_low} must be below "
+                          f"DoctorConfig.grad_norm_high = {cfg.doctor.grad_norm_high}")
     if t.init_from != t.init_from.strip():
         raise ConfigError(f"{src}: TrainConfig.init_from = {t.init_from!r} has leading or trailing spaces")
     if num_devices is None:

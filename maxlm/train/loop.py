@@ -20,12 +20,12 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from maxlm import model
+from maxlm import model, storage
 from maxlm.config import Config, ConfigError, operative_gin
 from maxlm.model import lora
-from maxlm.train import checkpoint, metrics, optim, step
+from maxlm.train import checkpoint, doctor, metrics, optim, step
 from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
-from maxlm.train.rundir import RunDirectory, check_writable
+from maxlm.train.rundir import RunDirectory, check_writable, read_jsonl
 from maxlm.train.tasks import Task
 
 
@@ -44,7 +44,7 @@ def _resume_source(cfg: Config, ckpt, resume_from: str) -> tuple[Any, int | None
     (step None: that run's latest good one)."""
     if resume_from.isdigit():
         return ckpt, int(resume_from)
-    path = Path(resume_from).expanduser().resolve()
+    path = storage.absolute(resume_from)
     if (path / "checkpoints").is_dir():
         return checkpoint.Checkpointer(path, cfg.checkpoint, log=say), None
     if not (path.name.isdigit() and path.is_dir()):
@@ -83,7 +83,7 @@ def warm_start_dir(cfg: Config) -> Path:
     """The checkpoint folder TrainConfig.init_from names (a run directory: its newest good
     checkpoint; or RUN_DIR/checkpoints/STEP), checked; a ConfigError (one line) if unusable."""
     where = f"{cfg.source}: TrainConfig.init_from = {cfg.train.init_from!r}"
-    path = Path(cfg.train.init_from).expanduser().resolve()
+    path = storage.absolute(cfg.train.init_from)
     if not path.exists():
         raise ConfigError(f"{where} does not exist (expected a run directory or RUN_DIR/checkpoints/STEP)")
     if (path / "checkpoints").is_dir():
@@ -151,7 +151,7 @@ class Loop:
     def __init__(self, cfg: Config, task: Task, mesh: Mesh):
         self.cfg, self.task, self.mesh, tc = cfg, task, mesh, cfg.train
         self.goodput = Goodput()
-        self.run_dir = Path(tc.run_dir).expanduser()
+        self.run_dir = storage.path(tc.run_dir)
         self.tokens_per_step = tc.global_batch * tc.seq_len
         self.optimizer = optim.make_optimizer(cfg.optim, tc.steps)
         self.shardings = step.state_shardings(cfg, mesh, self.optimizer, task.trainable, task.params)
@@ -242,6 +242,7 @@ class Loop:
             self.eval_losses.append((at_step, loss))
         self.eval_metrics.append((at_step, tasks))
         self.recorder.log(at_step, {**logged, **tasks})
+        self.diagnose({"step": at_step, **logged, **tasks})
         shown = [f"eval loss {loss:.4f}"] if self.eval_data else []
         shown += [f"{k.removeprefix('eval/')} {v:.4g}" for k, v in tasks.items()]
         say(f"step {at_step}: " + ", ".join(shown))
@@ -290,22 +291,53 @@ class Loop:
         elapsed = max(time.perf_counter() - t_window, 1e-9)  # so measured only now
         logged = _window_metrics(fetched)
         self.last_loss = logged["loss"]
+        # What the run doctor reads beyond the loss: the window's share of time waiting for batches,
+        # the device memory left at peak (backends that report it), and the cost so far.
+        waited, self.data_seen = self.goodput.seconds["data"] - self.data_seen, self.goodput.seconds["data"]
+        logged["data_wait_share"] = min(waited / elapsed, 1.0)
+        headroom = doctor.device_memory_headroom(jax.local_devices())
+        if headroom is not None:
+            logged["memory_headroom"] = headroom
+        cost = self.cost.usd(time.perf_counter() - self.goodput.start)
+        if cost is not None:
+            logged["cost_usd"] = cost
         if timed:
             tokens_per_s = timed * self.tokens_per_step / elapsed
             logged.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / timed,
                           mfu=tokens_per_s * self.flops_per_token / (self.peak * jax.device_count()))
             self.progress.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                      mfu=f"{logged['mfu']:.1%}")
+                                      mfu=f"{logged['mfu']:.1%}", **({} if cost is None else {"cost": f"${cost:,.2f}"}))
         self.recorder.log(done, logged)
+        self.diagnose({"step": done, **logged})
         for offset, m in enumerate(fetched):
             if int(m["skipped"]):
                 at = done - len(fetched) + offset + 1
                 reason = "spike" if int(m["spike"]) else "non-finite"
                 self.recorder.event(at, "skipped_step", reason=reason, step_loss=float(m["loss"]),
                                     step_grad_norm=float(m["grad_norm"]))
+                self.diagnose({"step": at, "event": "skipped_step", "reason": reason})
                 say(f"step {at}: skipped the update ({reason} loss {float(m['loss']):.4g}, "
                     f"grad norm {float(m['grad_norm']):.4g})")
         self.window_fetched = fetched
+
+    def start_doctor(self, records: Path) -> None:
+        """The run doctor (maxlm/train/doctor.py), told what ``records``/metrics.jsonl already holds
+        so that a resumed run judges its whole history and repeats no finding; and the cost meter,
+        at TrainConfig.price_per_device_hour or the planner's price for this device kind."""
+        history = read_jsonl(records / "metrics.jsonl")[0]
+        self.doctor = doctor.Doctor(self.cfg.doctor, self.task.name)
+        self.doctor.replay(history)
+        price = doctor.device_price(jax.devices()[0].device_kind, self.cfg.train.price_per_device_hour)
+        self.cost = doctor.CostMeter(jax.device_count(), price, doctor.last_cost(history))
+        self.data_seen = 0.0
+
+    def diagnose(self, row: dict) -> None:
+        """Show the doctor a row just logged; a rule that fires says so once: a line, a ``doctor``
+        event in metrics.jsonl and a TensorBoard text."""
+        for finding in self.doctor.observe(row):
+            say(finding.line())
+            self.recorder.event(finding.step, "doctor", **finding.as_event())
+            self.recorder.text(f"doctor/{finding.rule}", finding.line(), finding.step)
 
     def restore_before(self, before: int) -> tuple[int, Any] | None:
         """(step, state) of the newest good checkpoint before a step, for rollbacks."""
@@ -352,7 +384,7 @@ class Loop:
             if self.steps_run == 1:
                 jax.block_until_ready(self.state)
                 self.goodput.add("startup", time.perf_counter() - self.goodput.start - sum(self.goodput.seconds.values()))
-                t_window = time.perf_counter()
+                t_window, self.data_seen = time.perf_counter(), self.goodput.seconds["data"]
             if done % tc.log_every == 0 or done == tc.steps:
                 self.log_window(done, window, timed, t_window)
                 window, timed, t_window = [], 0, time.perf_counter()
@@ -396,7 +428,8 @@ class Loop:
 
     def _run(self, run_dir: RunDirectory, resume_from: str | None) -> dict[str, Any]:
         cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
-        self.recorder = metrics.RunRecorder(self.run_dir)
+        self.start_doctor(run_dir.local)  # reads metrics.jsonl before this session appends to it
+        self.recorder = metrics.RunRecorder(run_dir.local, on_write=run_dir.sync)
         self.batches = self.task.train_batches()
         self.rollback = Rollback(tc, self.restore_before)
         self.last_loss = float("nan")
@@ -446,7 +479,7 @@ class Loop:
         return {"run_dir": str(self.run_dir), "first_step": first, "last_step": done, "loss": self.last_loss,
                 "eval_losses": self.eval_losses, "eval_metrics": self.eval_metrics, "skipped_steps": int(self.state.guard.skipped),
                 "rollbacks": self.rollback.count, "preempted": preempted, "sample": text, "goodput": account,
-                "loss_png": str(plot) if plot else None}
+                "loss_png": str(self.run_dir / plot.name) if plot else None}
 
 
 def run(cfg: Config, task: Task, mesh: Mesh, resume_from: str | None = None, fresh: bool = False) -> dict[str, Any]:

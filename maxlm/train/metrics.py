@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +38,13 @@ def git_revision() -> str:
 class RunRecorder:
     """Writes metrics to RUN_DIR/metrics.jsonl and TensorBoard, and draws RUN_DIR/loss.png.
 
-    Only process 0 writes; appending keeps the history of resumed runs in one file."""
+    Only process 0 writes; appending keeps the history of resumed runs in one file. ``on_write``
+    is called after each write (``force=True`` at close): a run directory in a bucket uploads its
+    local mirror there (``maxlm.train.rundir``)."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, on_write: Callable[..., None] = lambda force=False: None):
         self.run_dir = Path(run_dir)
+        self.on_write = on_write
         self.enabled = enabled and jax.process_index() == 0
         self.writer = None
         if self.enabled:
@@ -64,12 +67,19 @@ class RunRecorder:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        self.on_write()
 
     def event(self, step: int, kind: str, **info: Any) -> None:
         """A notable event (skipped step, rollback, resume, preemption) in metrics.jsonl."""
         if self.enabled:
             self.jsonl.write(json.dumps({"step": step, "event": kind, **info}) + "\n")
             self.jsonl.flush()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A line of text in TensorBoard's Text tab (the run doctor's findings)."""
+        if self.enabled:
+            self.writer.add_text(tag, text, step)
+            self.writer.flush()
 
     def plot(self) -> Path | None:
         """loss.png: train and eval loss against step, from everything in metrics.jsonl."""
@@ -101,3 +111,4 @@ class RunRecorder:
         if self.enabled:
             self.writer.close()
             self.jsonl.close()
+            self.on_write(force=True)
