@@ -630,22 +630,6 @@ def quant_mesh_problem(m: ModelConfig, degrees: dict[str, int]) -> str | None:
     return None
 
 
-def _check_offload(cfg: Config) -> None:
-    """OptimConfig.offload_params: only the train and eval steps copy host-resident parameters to
-    the device, so nothing else the run does may read them (sampling, evaluation tasks, the
-    post-training tasks' own evaluation and rollouts)."""
-    t = cfg.train
-    if not cfg.optim.offload_params:
-        return
-    users = [(t.sample_tokens, f"TrainConfig.sample_tokens = {t.sample_tokens} (set 0)"),
-             (t.eval_tasks.strip(), f"TrainConfig.eval_tasks = {t.eval_tasks!r} (set '')"),
-             (t.task != "pretraining", f"TrainConfig.task = {t.task!r} (offload only the optimizer state)")]
-    for used, what in users:
-        if used:
-            raise ConfigError(f"{cfg.source}: OptimConfig.offload_params = True keeps the parameters in host "
-                              f"memory, where only the train and eval steps read them, not {what}")
-
-
 def _check_task(cfg: Config) -> None:
     """TrainConfig.task known, and each post-training section complete for its task and unset
     otherwise (``maxlm.posttrain_config``; files are read when the run starts)."""
@@ -694,7 +678,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"{src}: TrainConfig.sample_tokens = {t.sample_tokens} must be below "
                           f"ModelConfig.max_seq_len = {m.max_seq_len} (0 skips the sample)")
     _check_eval_tasks(src, t.eval_tasks)
-    _check_offload(cfg)
     if t.init_from and t.init_params:
         raise ConfigError(f"{src}: TrainConfig.init_from = {t.init_from!r} and TrainConfig.init_params = "
                           f"{t.init_params!r} both name the starting parameters; set one")

@@ -194,6 +194,12 @@ class Loop:
         return 0, step.init_state(cfg, self.optimizer, self.shardings, params, self.task.trainable,
                                   self.task.params), False
 
+    def device_params(self) -> Any:
+        """The parameters in device memory, for what computes with them outside the train and eval
+        steps (sampling, evaluation tasks, rollouts): a copy when OptimConfig.offload_params keeps
+        them in host memory, else the state's own."""
+        return step.device_params(self.state.params, self.shardings)
+
     def describe(self, first: int) -> None:
         cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
         from maxlm.parallel import pipeline_parallel
@@ -236,7 +242,7 @@ class Loop:
             loss = total / max(weight, 1.0)
             tasks = self.task_metrics(at_step)
             if self.task.eval_metrics is not None:
-                tasks.update({f"eval/{k}": v for k, v in self.task.eval_metrics(self.state.params).items()})
+                tasks.update({f"eval/{k}": v for k, v in self.task.eval_metrics(self.device_params()).items()})
         logged = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))} if self.eval_data else {}
         if self.eval_data:
             self.eval_losses.append((at_step, loss))
@@ -269,7 +275,7 @@ class Loop:
         out: dict[str, float] = {}
         for task in list(self.eval_tasks):
             try:
-                out.update(self.evaluator.logged([task], self.state.params))
+                out.update(self.evaluator.logged([task], self.device_params()))
             except TaskError as err:  # Evaluator.run turns PromptError and other ValueErrors into one
                 self.eval_tasks.remove(task)
                 reason = " ".join(str(err).split())
@@ -368,7 +374,7 @@ class Loop:
                 batch = next(self.batches)
             if self.task.rollout is not None:  # RL: the batch is sampled from the current policy
                 with self.goodput.timed("rollout"):
-                    batch = self.task.rollout(self.state.params, batch, done)
+                    batch = self.task.rollout(self.device_params(), batch, done)
             if done + 1 in nan_steps:  # each injected fault fires once
                 nan_steps.discard(done + 1)
                 key = self.task.weight_key
@@ -465,7 +471,7 @@ class Loop:
             return ""
         if self.task.sample is None:
             return ""
-        text = self.task.sample(self.state.params)
+        text = self.task.sample(self.device_params())
         say("sample:\n" + text)
         return text
 
