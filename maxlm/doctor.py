@@ -3,7 +3,8 @@
 Replays RUN_DIR/metrics.jsonl through the same rules the training loop applies live
 (``maxlm.train.doctor``), prints each finding as one line (metric, evidence, usual remedies), and
 draws RUN_DIR/doctor.png: the metrics the rules read, with the windows where each rule fired shaded.
-It reads only the run's records, so it runs anywhere the run directory can be read.
+It reads only the run's records, so it runs anywhere the run directory can be read, a bucket
+(``gs://``, ``s3://``) included; there the plot is drawn locally and uploaded beside them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+from maxlm import storage
 from maxlm.cli_args import OneLineParser, UserError, run_command
 
 PROG = "maxlm.doctor"
@@ -49,6 +53,9 @@ def bounds(run_dir: Path, bindings: list[str]):
     note = ""
     if gin_path.is_file():
         try:
+            if storage.is_remote(gin_path):  # gin reads local files only
+                with storage.local_copy(gin_path) as local:
+                    return config.load(str(local), bindings).doctor, note
             return config.load(str(gin_path), bindings).doctor, note
         except config.ConfigError as err:
             note = f"note: {gin_path} does not load ({' '.join(str(err).split())[:160]}); default bounds used"
@@ -92,12 +99,15 @@ def _fmt(value) -> str:
 def diagnose(args) -> int:
     from maxlm.train import doctor
 
-    run_dir = Path(args.run_dir).expanduser()
     if not args.run_dir.strip():
         raise UserError("RUN_DIR: an empty path is not allowed")
+    run_dir = storage.path(args.run_dir)
     rows, bad = read_rows(run_dir)
     cfg, note = bounds(run_dir, args.gin_bindings)
     plot_path = None if args.no_plot else Path(args.plot).expanduser() if args.plot else run_dir / "doctor.png"
+    upload_to = None
+    if plot_path is not None and storage.is_remote(plot_path):  # drawn here, then put in the bucket
+        upload_to, plot_path = plot_path, Path(tempfile.mkdtemp(prefix="maxlm-doctor-")) / "doctor.png"
     if plot_path is not None and not plot_path.parent.is_dir():
         raise UserError(f"--plot {args.plot}: the directory {plot_path.parent} does not exist")
     dr = doctor.Doctor(cfg, task_of(run_dir))
@@ -114,7 +124,11 @@ def diagnose(args) -> int:
                "findings": [{"step": f.step, **f.as_event()} for f in dr.findings], "note": note or None}
     if plot_path is not None and h.windows:
         try:
-            doctor.plot(h, dr.findings, plot_path, title=run_dir.resolve().name)
+            doctor.plot(h, dr.findings, plot_path, title=run_dir.name if storage.is_remote(run_dir) else run_dir.resolve().name)
+            if upload_to is not None:
+                upload_to.write_bytes(plot_path.read_bytes())
+                shutil.rmtree(plot_path.parent, ignore_errors=True)
+                plot_path = upload_to
         except OSError as err:
             raise UserError(f"--plot {plot_path}: cannot write ({err.strerror or type(err).__name__})") from None
         except ValueError as err:  # matplotlib: an extension it has no writer for

@@ -233,3 +233,58 @@ print("restored", len(leaves), "arrays")
     out = subprocess.run([sys.executable, "-c", code], env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "restored" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_data_training_doctor_and_export_all_in_s3(s3_env, tmp_path):
+    """Every path in a bucket: a JSONL corpus is prepared into packed shards there, a run trains on
+    them with its run directory there, the doctor reads it, and the export lands there, loadable;
+    the same prepare on local disk writes the same shards."""
+    env = {**os.environ, **s3_env, "XLA_FLAGS": "", "MAXLM_REMOTE_SYNC_S": "0",
+           "MAXLM_BUCKET_CACHE": str(tmp_path / "cache")}
+    root = f"s3://maxlm-runs/all-{os.getpid()}"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n"
+                              for i in range(64)))
+    import fsspec
+
+    fs = fsspec.filesystem("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], key="test", secret="test")
+    fs.put_file(str(corpus), f"{root}/raw/corpus.jsonl")
+
+    def run(*args: str, ok: bool = True) -> str:
+        out = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=600)
+        assert (out.returncode == 0) == ok, out.stdout + out.stderr
+        return out.stdout + out.stderr
+
+    for source, out in ((f"jsonl:{root}/raw/*.jsonl", f"{root}/packed"), (f"jsonl:{corpus}", str(tmp_path / "packed"))):
+        run("maxlm.data", "prepare", source, "--out", out, "--seq-len", "64", "--quiet")
+    local_index = json.loads((tmp_path / "packed" / "index.json").read_text())
+    remote_index = json.loads(bucket_text(f"{root}/packed/index.json", env))
+    assert remote_index["splits"] == local_index["splits"]  # the same rows, shard by shard (sha256)
+    # A bucket directory is never replaced.
+    assert "never replaced" in run("maxlm.data", "prepare", f"jsonl:{corpus}", "--out", f"{root}/packed",
+                                   "--seq-len", "64", ok=False)
+
+    run_dir = f"{root}/run"
+    run("maxlm.train", "--config=tiny.gin", f"--run_dir={run_dir}",
+        *[f"--gin_bindings={b}" for b in resilience.BINDINGS if "steps" not in b.split("=")[0]],
+        "--gin_bindings=TrainConfig.steps = 4", f"--gin_bindings=DataConfig.source = 'packed:{root}/packed'")
+    assert max(losses_of(bucket_text(f"{run_dir}/metrics.jsonl", env))) == 4
+    assert "plot: " + run_dir + "/doctor.png" in run("maxlm.doctor", run_dir)
+    assert fs.exists(f"{run_dir}/doctor.png")
+    run("maxlm.hf", "export", run_dir, "--out", f"{root}/hf")
+    assert {p.rsplit("/", 1)[1] for p in fs.ls(f"{root}/hf")} >= {"config.json", "model.safetensors"}
+    assert "never overwrites" in run("maxlm.hf", "export", run_dir, "--out", f"{root}/hf", ok=False)
+    code = f"""
+import numpy as np, jax
+from maxlm.hf.load import load_model
+from maxlm import model
+hf, trained = load_model({root + '/hf'!r}), load_model({run_dir!r})
+tokens = (jax.numpy.arange(32)[None] * 7) % 256
+segments = jax.numpy.ones_like(tokens)
+a, b = (model.forward(m.cfg, m.params, tokens, segments)[0][..., :256] for m in (hf, trained))
+np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)  # the exported model is the run's
+print("equal", hf.source)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert f"equal {root}/hf" in out.stdout, out.stdout + out.stderr

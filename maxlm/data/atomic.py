@@ -46,6 +46,8 @@ def check_disjoint(out: str, inputs: Iterable[tuple[str, str]]) -> None:
     target = _real(out)
     for what, path in inputs:
         real = _real(path)
+        if storage.is_remote(real) != storage.is_remote(target):
+            continue  # a bucket and a local disk share nothing
         if target == real:
             relation = "is"
         elif _within(target, real):

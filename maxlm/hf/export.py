@@ -359,7 +359,7 @@ def export_model(path_or_loaded: Any, out: str | Path, *, dtype: str | None = No
         write_manifest(stage, {"format": "maxlm.hf export 1", "source": str(loaded.source), "step": loaded.step,
                                "family": family, "architecture": SUPPORTED[family], "dtype": dtype,
                                "quantization": quant_info})
-    size = sum((out_path / f).stat().st_size for f in files if f.endswith(".safetensors"))
+        size = sum((stage / f).stat().st_size for f in files if f.endswith(".safetensors"))
     weights = files[0] if len(files) == 1 else f"{len(files) - 1} shards + {INDEX_FILE}"
     at = f" (step {loaded.step})" if loaded.step is not None else ""
     if qplan is None:

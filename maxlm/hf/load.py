@@ -216,6 +216,8 @@ def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: i
     if (path / "config.json").is_file():
         if step is not None:
             raise LoadError(f"{path}: --step applies to maxlm run directories, not Hugging Face directories")
+        if storage.is_remote(path):  # safetensors and tokenizers read local files: the bucket cache
+            return dataclasses.replace(_load_hf(Path(storage.local_input(str(path))), dtype, mesh), source=str(path))
         return _load_hf(path, dtype, mesh)
     raise LoadError(f"{path}: neither a maxlm run directory (config.gin), a checkpoint "
                     "(RUN_DIR/checkpoints/STEP) nor a Hugging Face directory (config.json)")

@@ -198,7 +198,7 @@ def read_jsonl(path: Path) -> tuple[list[dict], list[int]]:
     if not path.exists():
         return [], []
     rows, bad = [], []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
