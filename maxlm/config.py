@@ -354,8 +354,11 @@ TASKS = ("pretraining", "sft", "distill", "dpo", "reward", "grpo")
 
 
 def resolve_path(name: str) -> Path:
-    """A path as given, else a bare name looked up in configs/ (with or without .gin)."""
-    path = Path(name).expanduser()
+    """A path as given (a bucket's through the local cache), else a bare name looked up in
+    configs/ (with or without .gin)."""
+    from maxlm.storage import local_input
+
+    path = Path(local_input(name))
     if path.is_file():
         return path
     for candidate in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.gin"):

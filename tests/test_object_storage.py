@@ -288,3 +288,15 @@ print("equal", hf.source)
 """
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert f"equal {root}/hf" in out.stdout, out.stdout + out.stderr
+    # ...and back: import the bucket's export into a bucket run directory, and train from its
+    # config.gin, read from the bucket too (init_params in the bucket).
+    run("maxlm.hf", "import", f"{root}/hf", "--out", f"{root}/imported")
+    tuned = f"{root}/tuned"
+    run("maxlm.train", f"--config={root}/imported/config.gin", f"--run_dir={tuned}",
+        "--gin_bindings=TrainConfig.steps = 2", "--gin_bindings=TrainConfig.seq_len = 64",
+        "--gin_bindings=TrainConfig.sample_tokens = 0", "--gin_bindings=TrainConfig.peak_flops = 1e12",
+        f"--gin_bindings=DataConfig.source = 'packed:{root}/packed'")
+    first = json.loads(bucket_text(f"{tuned}/metrics.jsonl", env).splitlines()[0])
+    trained_last = [json.loads(line) for line in bucket_text(f"{run_dir}/metrics.jsonl", env).splitlines()
+                    if "eval_loss" in line][-1]
+    assert first["step"] == 0 and first["eval_loss"] == pytest.approx(trained_last["eval_loss"], rel=1e-4)

@@ -24,6 +24,7 @@ from maxlm.hf.hf_config import (SUPPORTED, HFExportError, HFImportError, _defaul
                                 family_of, read_hf_config, resolve)
 from maxlm.hf.safetensors_io import InMemory, SafetensorsDir
 from maxlm.hf.staging import check_out, staged
+from maxlm.storage import local_input
 from maxlm.hf.table import IGNORED, Table, table
 
 
@@ -168,7 +169,7 @@ def import_checkpoint(hf_dir: str | Path, out: str | Path, dtype: str = "bfloat1
     not at all (``maxlm.hf.staging``); config.gin names the final params path."""
     from maxlm import config as config_lib
 
-    hf_dir = Path(hf_dir).expanduser()
+    hf_dir = Path(local_input(str(hf_dir)))  # a bucket HF directory is read through the local cache
     run_dir = check_out(hf_dir, out)
     params_dir, gin_path = run_dir / "params", run_dir / "config.gin"
     hf = read_hf_config(hf_dir)

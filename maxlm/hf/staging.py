@@ -46,7 +46,14 @@ def _never_overwrite(path: Path) -> None:
 
 def check_out(hf_dir: str | Path, out: str | Path) -> Path:
     """The real path of RUN_DIR, after refusing (one line each) every --out an import must not
-    write to: HF_DIR itself, above or inside it, a file, below a file, or holding earlier outputs."""
+    write to: HF_DIR itself, above or inside it, a file, below a file, or holding earlier outputs.
+    A bucket RUN_DIR must hold no earlier outputs."""
+    if storage.is_remote(out):
+        remote = storage.path(out)
+        for name in OUTPUTS:
+            if (remote / name).exists():
+                raise HFImportError(f"{remote / name}: already exists; maxlm.hf never overwrites (choose another --out)")
+        return remote
     run_dir, source = _real(out), _real(hf_dir)
     relation = ("is" if run_dir == source else "lies inside" if source in run_dir.parents
                 else "contains" if run_dir in source.parents else "")
@@ -124,6 +131,19 @@ def _staging(target: Path, verb: str, error: type[ValueError], publish: Callable
 
 
 @contextlib.contextmanager
+def _uploaded(target, error: type[ValueError], last: str) -> Iterator[Path]:
+    """A local temporary folder, uploaded to the bucket ``target`` when the block completes, the
+    file ``last`` (what readers check first) last; an upload failure is one line (``error``)."""
+    with tempfile.TemporaryDirectory(prefix="maxlm-hf-") as stage:
+        yield Path(stage)
+        try:
+            storage.upload_tree(stage, target, last=last)
+        except Exception as err:  # noqa: BLE001 - fsspec, botocore and google errors
+            raise error(f"{target}: upload failed ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+                        f"without {last} the upload is incomplete and unused") from None
+
+
+@contextlib.contextmanager
 def staged(run_dir: Path) -> Iterator[Path]:
     """A fresh hidden directory beside ``run_dir`` to write OUTPUTS into. They are published into
     ``run_dir`` when the block completes; on any failure nothing is left (``_staging``)."""
@@ -133,6 +153,10 @@ def staged(run_dir: Path) -> Iterator[Path]:
             raise RuntimeError(f"internal error: the import did not write {missing}")
         _publish(stage, run_dir)
 
+    if storage.is_remote(run_dir):
+        with _uploaded(run_dir, HFImportError, last=OUTPUTS[-1]) as stage:
+            yield stage
+        return
     with _staging(run_dir, "import", HFImportError, publish, f"imported into {run_dir}") as stage:
         yield stage
 
@@ -173,14 +197,9 @@ def staged_dir(out: Path) -> Iterator[Path]:
     def publish(stage: Path) -> None:
         os.rename(stage, out)  # atomic; fails (ENOTEMPTY) if --out was filled meanwhile
 
-    if storage.is_remote(out):  # built locally, uploaded whole with config.json last
-        with tempfile.TemporaryDirectory(prefix="maxlm-export-") as stage:
-            yield Path(stage)
-            try:
-                storage.upload_tree(stage, out, last="config.json")
-            except Exception as err:  # noqa: BLE001 - fsspec, botocore and google errors
-                raise HFExportError(f"{out}: upload failed ({type(err).__name__}: "
-                                    f"{' '.join(str(err).split())[:200]}); nothing complete was exported") from None
+    if storage.is_remote(out):
+        with _uploaded(out, HFExportError, last="config.json") as stage:
+            yield stage
         return
     with _staging(out, "export", HFExportError, publish, f"exported to {out}") as stage:
         yield stage
