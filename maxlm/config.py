@@ -704,7 +704,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if problem:
         raise ConfigError(f"{src}: {problem}")
     if o.offload_state or o.offload_params:  # host offload needs a host memory kind on this backend
-        from maxlm.parallel.sharding import host_memory_problem
+        from maxlm.hardware import host_memory_problem
 
         problem = host_memory_problem()
         if problem:

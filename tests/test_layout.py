@@ -12,10 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "maxlm"
 # Lowest first; packages on one level do not import each other.
-LEVELS = [("config", "posttrain_config", "rules", "cli_args"), ("parallel",), ("model",), ("data",), ("infer",), ("eval",), ("train",), ("quant",),
+LEVELS = [("config", "posttrain_config", "rules", "cli_args", "storage", "hardware"), ("parallel",), ("model",), ("data",), ("infer",), ("eval",), ("train",), ("quant",),
           ("hf", "plan", "posttrain", "serve")]
 ENTRY_POINTS = ("__main__.py", "cli.py")
-TOP_LEVEL_COMMANDS = ("generate", "quantize", "prune", "sft", "distill", "dpo", "reward", "grpo")  # maxlm/generate.py: ``python -m maxlm.generate``, ...
+TOP_LEVEL_COMMANDS = ("generate", "quantize", "prune", "sft", "distill", "dpo", "reward", "grpo", "doctor")  # maxlm/generate.py: ``python -m maxlm.generate``, ...
 RANK = {name: i for i, level in enumerate(LEVELS) for name in level}
 
 

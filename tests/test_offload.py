@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import random_batch, small_config
 
-from maxlm import config, train
+from maxlm import config, hardware, train
 from maxlm.parallel import sharding
 from maxlm.plan import memory as plan_memory
 from maxlm.plan import planner
@@ -187,9 +187,9 @@ def test_a_backend_without_host_memory_is_refused_in_one_line(monkeypatch):
         def addressable_memories(self):
             return [Memory()]
 
-    assert sharding.host_memory_problem() is None  # the CPU backend has pinned_host
-    assert sharding.host_memory_problem([Device()]) == "the fake backend has no 'pinned_host' memory (it has device)"
-    monkeypatch.setattr(sharding, "host_memory_problem", lambda: "the fake backend has no 'pinned_host' memory")
+    assert hardware.host_memory_problem() is None  # the CPU backend has pinned_host
+    assert hardware.host_memory_problem([Device()]) == "the fake backend has no 'pinned_host' memory (it has device)"
+    monkeypatch.setattr(hardware, "host_memory_problem", lambda: "the fake backend has no 'pinned_host' memory")
     small_config(optim=dict(offload_state=True), num_devices=None)  # checked only against devices
     with pytest.raises(config.ConfigError) as err:
         small_config(optim=dict(offload_state=True))

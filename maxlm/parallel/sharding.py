@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from maxlm.hardware import HOST  # the host memory kind offloaded state lives in (JAX memory kinds)
 from maxlm.rules import MESH_AXES, spec_axes
 
 
@@ -65,7 +66,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length")))
 
 
-HOST = "pinned_host"  # the host memory kind offloaded state lives in (JAX memory kinds)
 DEVICE = "device"
 
 
@@ -84,15 +84,3 @@ def move(tree: Any, shardings: Any, kind: str) -> Any:
     (asynchronously where the backend can), so they overlap the computation around them."""
     return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind(kind)) if on_host(s) else x,
                         tree, shardings)
-
-
-def host_memory_problem(devices: Sequence[jax.Device] | None = None) -> str | None:
-    """Why these devices cannot hold arrays in ``HOST`` memory, or None if they can."""
-    device = list(devices if devices is not None else jax.devices())[0]
-    try:
-        kinds = sorted({m.kind for m in device.addressable_memories()})
-    except Exception as err:  # a backend without the memories API
-        return f"the {device.platform} backend reports no memory kinds ({type(err).__name__})"
-    if HOST not in kinds:
-        return f"the {device.platform} backend has no {HOST!r} memory (it has {', '.join(kinds)})"
-    return None

@@ -44,6 +44,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from maxlm.hardware import GPUS  # per GPU: peak FLOP/s, memory, assumed price (override it)
 from maxlm import config  # no jax here: --aot must set XLA_FLAGS before jax starts
 
 JSON_KEYS = (
@@ -53,12 +54,6 @@ JSON_KEYS = (
     "memory", "memory_detail", "gpu_memory_bytes", "fits", "suggestions", "peak_flops_per_gpu", "mfu",
     "pipeline_bubble", "step_time_s", "tokens_per_s", "gpu_hours", "days", "price_per_gpu_hour",
     "cost_usd", "warnings", "notes")  # and "aot" with --aot
-# Per GPU: dense bf16 peak FLOP/s, memory, and an assumed on-demand price (override it).
-GPUS = {
-    "a100": {"name": "NVIDIA A100 80GB SXM", "peak_flops": 312e12, "memory": 80e9, "price": 1.80},
-    "h100": {"name": "NVIDIA H100 80GB SXM", "peak_flops": 989e12, "memory": 80e9, "price": 2.50},
-    "h200": {"name": "NVIDIA H200 141GB SXM", "peak_flops": 989e12, "memory": 141e9, "price": 3.50},
-}
 # XLA:CPU (no native bf16 arithmetic) hoists an fp32 copy of every bf16 stacked activation out of
 # the backward loop; a GPU compile does not. Turning that one pass off makes the CPU buffer
 # assignment a faithful stand-in for the GPU's (see --aot_stock_xla).

@@ -421,7 +421,7 @@ def device_price(device_kind: str, configured: float = 0.0) -> float | None:
     kind ("NVIDIA H100 80GB HBM3" -> h100), else None (a CPU, an unlisted GPU: no cost is shown)."""
     if configured > 0:
         return configured
-    from maxlm.plan.planner import GPUS
+    from maxlm.hardware import GPUS
 
     words = device_kind.lower().replace("-", " ").split()
     for key, gpu in GPUS.items():
