@@ -138,6 +138,28 @@ def test_kill_9_then_restart_in_s3_is_bitwise_identical_to_local(reference, s3_e
 
 
 @pytest.mark.slow
+def test_a_save_killed_in_s3_before_its_manifest_is_never_resumed_from(reference, s3_env):
+    """In a bucket a step is written in place (no rename): one killed before its commit file and
+    manifest must not look complete. The restart resumes from the step before it, saves the step
+    again, and logs the uninterrupted run's losses."""
+    env = {**resilience.ENV, **s3_env, "MAXLM_REMOTE_SYNC_S": "0", "MAXLM_LEASE_S": str(LEASE_S)}
+    run_dir = f"s3://maxlm-runs/killsave-{os.getpid()}"
+    proc = subprocess.Popen(resilience.command(run_dir), env={**env, "MAXLM_TEST_MANIFEST_DELAY_S": "60"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resilience.wait_for(lambda: bucket_text(f"{run_dir}/checkpoints/8/_CHECKPOINT_METADATA", env) is not None, proc)
+    assert bucket_text(f"{run_dir}/checkpoints/8/manifest.json", env) is None
+    proc.kill()
+    proc.wait()
+    time.sleep(LEASE_S + 0.5)
+    done = subprocess.run(resilience.command(run_dir), env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"resuming from {run_dir}/checkpoints/4 (step 4)" in output
+    assert json.loads(bucket_text(f"{run_dir}/checkpoints/8/manifest.json", env))["step"] == 8  # saved again
+    assert losses_of(bucket_text(f"{run_dir}/metrics.jsonl", env)) == reference
+
+
+@pytest.mark.slow
 def test_a_run_in_gcs_saves_and_opens_like_the_same_run_on_local_disk(gcs_env, tmp_path):
     """gs:// is Orbax's own path (tensorstore's gcs kvstore); the records, the lock and the loader
     are ours. One checkpoint only: the emulator ignores ifGenerationMatch preconditions, which
