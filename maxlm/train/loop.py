@@ -9,6 +9,7 @@ the end. Everything inside jit is in ``maxlm.train.step``; this file holds the s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -428,6 +429,9 @@ class Loop:
             except BaseException:
                 if hasattr(self, "progress"):
                     self.progress.close()
+                if hasattr(self, "recorder"):  # what was logged reaches metrics.jsonl (and a bucket)
+                    with contextlib.suppress(Exception):
+                        self.recorder.close()
                 if self.ckpt is not None:  # stop Orbax's threads before the error leaves the loop
                     self.ckpt.abandon()
                 raise
