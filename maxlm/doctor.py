@@ -53,10 +53,7 @@ def bounds(run_dir: Path, bindings: list[str]):
     note = ""
     if gin_path.is_file():
         try:
-            if storage.is_remote(gin_path):  # gin reads local files only
-                with storage.local_copy(gin_path) as local:
-                    return config.load(str(local), bindings).doctor, note
-            return config.load(str(gin_path), bindings).doctor, note
+            return config.load(str(gin_path), bindings).doctor, note  # a bucket's through the cache
         except config.ConfigError as err:
             note = f"note: {gin_path} does not load ({' '.join(str(err).split())[:160]}); default bounds used"
     try:

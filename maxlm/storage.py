@@ -19,15 +19,13 @@ commit marker is their manifest (``maxlm.train.checkpoint``: a step without one 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
 REMOTE_SCHEMES = ("gs://", "s3://")
 AnyPath = Union[Path, Any]  # pathlib.Path or etils.epath.Path
@@ -80,9 +78,10 @@ def cache_root() -> Path:
 def local_input(location: str) -> str:
     """A local path standing for ``location``, for readers of local files (numpy memory maps,
     Parquet, tokenizers, globs). A local path comes back with ``~`` expanded. A bucket file, folder
-    or glob is downloaded once into the bucket cache (``MAXLM_BUCKET_CACHE``, by default
-    ``~/.cache/maxlm/buckets/SCHEME/BUCKET/KEY``; a file whose size changed is fetched again) and the
-    same file, folder or glob under the cache comes back, so the reader sees the bucket's layout."""
+    or glob is downloaded into the bucket cache (``MAXLM_BUCKET_CACHE``, by default
+    ``~/.cache/maxlm/buckets/SCHEME/BUCKET/KEY``) and the same file, folder or glob under the cache
+    comes back, so the reader sees the bucket's layout. A cached file is kept while its size and
+    modification time are the object's (it carries the object's time), else fetched again."""
     if not is_remote(location):
         return os.path.expanduser(location)
     import glob as globlib
@@ -98,12 +97,13 @@ def local_input(location: str) -> str:
     local_root = cache_root() / scheme
     for key in keys:
         target = local_root / key
-        size = fs.size(key)
-        if target.is_file() and target.stat().st_size == size:
+        size, modified = fs.size(key), round(fs.modified(key).timestamp() * 1e9)  # ns, exact
+        if target.is_file() and (target.stat().st_size, target.stat().st_mtime_ns) == (size, modified):
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.part-{os.getpid()}")
         fs.get_file(key, str(tmp))
+        os.utime(tmp, ns=(modified, modified))
         os.replace(tmp, target)
     return str(local_root / rest.rstrip("/"))
 
@@ -115,15 +115,6 @@ def upload_tree(local_dir: str | Path, location: AnyPath, last: str | None = Non
     fs = filesystem(location)
     for file in files:
         fs.put_file(str(file), f"{location}/{file.relative_to(local_dir)}")
-
-
-@contextlib.contextmanager
-def local_copy(remote_file: AnyPath) -> Iterator[Path]:
-    """A bucket file as a local temporary file, for readers that open local paths only (gin)."""
-    with tempfile.TemporaryDirectory(prefix="maxlm-") as tmp:
-        local = Path(tmp) / remote_file.name
-        local.write_bytes(remote_file.read_bytes())
-        yield local
 
 
 def write_atomic(target: AnyPath, text: str) -> None:

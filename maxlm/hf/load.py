@@ -56,10 +56,7 @@ def _check_tensor(cfg: ModelConfig, mesh: jax.sharding.Mesh, source: str) -> Non
 def _run_config(run_dir: Path) -> Config:
     gin_path = run_dir / "config.gin"
     try:  # the mesh it trained on need not fit this machine: inference builds its own
-        if storage.is_remote(gin_path):  # gin reads local files only
-            with storage.local_copy(gin_path) as local:
-                return config_lib.load(str(local))
-        return config_lib.load(str(gin_path))
+        return config_lib.load(str(gin_path))  # a bucket's through the local cache (config.resolve_path)
     except config_lib.ConfigError as err:
         raise LoadError(f"{gin_path}: {str(err).removeprefix(gin_path.name + ': ')}") from None
 

@@ -26,7 +26,7 @@ from maxlm.config import Config, ConfigError, operative_gin
 from maxlm.model import lora
 from maxlm.train import checkpoint, doctor, metrics, optim, step
 from maxlm.train.resilience import Goodput, Preemption, Rollback, TrainingError
-from maxlm.train.rundir import RunDirectory, check_writable, read_jsonl
+from maxlm.train.rundir import RunDirectory, check_writable
 from maxlm.train.tasks import Task
 
 
@@ -327,11 +327,10 @@ class Loop:
                     f"grad norm {float(m['grad_norm']):.4g})")
         self.window_fetched = fetched
 
-    def start_doctor(self, records: Path) -> None:
-        """The run doctor (maxlm/train/doctor.py), told what ``records``/metrics.jsonl already holds
-        so that a resumed run judges its whole history and repeats no finding; and the cost meter,
-        at TrainConfig.price_per_device_hour or the planner's price for this device kind."""
-        history = read_jsonl(records / "metrics.jsonl")[0]
+    def start_doctor(self, history: list[dict]) -> None:
+        """The run doctor (maxlm/train/doctor.py), told what metrics.jsonl already holds
+        (``history``) so that a resumed run judges its whole history and repeats no finding; and
+        the cost meter, at TrainConfig.price_per_device_hour or the planner's price for this device kind."""
         self.doctor = doctor.Doctor(self.cfg.doctor, self.task.name)
         self.doctor.replay(history)
         price = doctor.device_price(jax.devices()[0].device_kind, self.cfg.train.price_per_device_hour)
@@ -438,7 +437,7 @@ class Loop:
 
     def _run(self, run_dir: RunDirectory, resume_from: str | None) -> dict[str, Any]:
         cfg, tc, mesh = self.cfg, self.cfg.train, self.mesh
-        self.start_doctor(run_dir.local)  # reads metrics.jsonl before this session appends to it
+        self.start_doctor(run_dir.history())  # what was logged before this session appends to it
         self.recorder = metrics.RunRecorder(run_dir.local, on_write=run_dir.sync)
         self.batches = self.task.train_batches()
         self.rollback = Rollback(tc, self.restore_before)

@@ -73,6 +73,7 @@ class RunDirectory:
         self._lock_file = None
         self._lease: storage.LeaseLock | None = None
         self._sent: dict[str, tuple[int, int]] = {}
+        self._history: list[dict] | None = None
         self._synced_at = 0.0
 
     def open(self) -> "RunDirectory":
@@ -155,14 +156,20 @@ class RunDirectory:
             storage.move_tree(self.path / "checkpoints", aside)
             self.log(f"--fresh: moved the existing checkpoints to {aside}")
 
+    def history(self) -> list[dict]:
+        """What earlier processes of this run logged in metrics.jsonl, read once (the loop's resume
+        and the run doctor both start from it). Malformed lines (a crash mid-write, an edit) are
+        skipped and reported."""
+        if self._history is None:
+            self._history, bad = read_jsonl(self.local / "metrics.jsonl")
+            if bad:
+                self.log(f"{self.path / 'metrics.jsonl'}: skipped {len(bad)} malformed line(s) "
+                         f"(line {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+        return self._history
+
     def previous_progress(self) -> int:
-        """The last step an earlier process of this run logged (steps past the checkpoint are redone).
-        Malformed lines of metrics.jsonl (a crash mid-write, an edit) are skipped and reported."""
-        rows, bad = read_jsonl(self.local / "metrics.jsonl")
-        if bad:
-            self.log(f"{self.path / 'metrics.jsonl'}: skipped {len(bad)} malformed line(s) "
-                     f"(line {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
-        return max((r["step"] for r in rows if isinstance(r.get("step"), int)), default=0)
+        """The last step an earlier process of this run logged (steps past the checkpoint are redone)."""
+        return max((r["step"] for r in self.history() if isinstance(r.get("step"), int)), default=0)
 
     @contextlib.contextmanager
     def library_log(self) -> Iterator[None]:
