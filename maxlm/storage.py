@@ -20,6 +20,7 @@ commit marker is their manifest (``maxlm.train.checkpoint``: a step without one 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,29 @@ from typing import Any, Union
 
 REMOTE_SCHEMES = ("gs://", "s3://")
 AnyPath = Union[Path, Any]  # pathlib.Path or etils.epath.Path
+
+
+class _OncePerMessage(logging.Filter):
+    """gcsfs asks GCS's control plane for a bucket's layout before each upload and, when it cannot
+    learn it (an emulator, or credentials without the storage-layout permission), warns again on
+    every call; thousands of identical lines bury the run's output and, written to a pipe that
+    nobody drains, stall the process. The first of each is enough."""
+
+    def __init__(self, topics: tuple[str, ...]):
+        super().__init__()
+        self.topics, self.seen = topics, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not any(topic in message for topic in self.topics):
+            return True
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+logging.getLogger("gcsfs").addFilter(_OncePerMessage(("bucket type", "storage layout")))
 
 
 def is_remote(location: str | os.PathLike) -> bool:
@@ -56,10 +80,12 @@ def absolute(location: str | os.PathLike) -> AnyPath:
 
 
 def filesystem(location: str | os.PathLike):
-    """The fsspec file system behind a bucket URL (for what epath does not offer: recursive moves)."""
-    import fsspec
+    """The fsspec file system behind a bucket URL (for what epath does not offer: recursive moves).
+    It is epath's own instance: fsspec caches each instance's listings, and a second instance
+    would keep seeing a folder this one moved away (Orbax would then try to delete it again)."""
+    from etils.epath import backend
 
-    return fsspec.filesystem(str(location).split("://", 1)[0])
+    return backend.fsspec_backend.fs(str(location))
 
 
 def files_under(directory: AnyPath) -> list[AnyPath]:

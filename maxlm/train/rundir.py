@@ -34,7 +34,7 @@ from maxlm.train.resilience import TrainingError
 
 LOCK = ".lock"
 # Orbax logs through absl; asyncio reports Orbax's failed write tasks when they are collected.
-LIBRARY_LOGGERS = ("absl", "asyncio")
+LIBRARY_LOGGERS = ("absl", "asyncio", "gcsfs", "s3fs")
 
 
 def check_writable(directory: Path) -> None:
