@@ -97,11 +97,11 @@ def test_lora_sft_learns_the_task_beside_full_sft(base_run, tmp_path):
     for prompt, want, got in lora_em.rows[:3]:
         print(f"  {prompt!r} -> {got!r} (wanted {want!r})")
     assert before.score <= 0.05, before.rows[:5]
-    # Not yet the issue's bar (>= 90% and within a few points of full SFT): measured 90% for LoRA
-    # (1000 steps) against 100% for full SFT (500 steps), LoRA keeping the base's copying errors
-    # (swapped letters); issue 15 stays open on it.
-    assert lora_em.score >= 0.8, lora_em.rows[:10]
+    # The issue's bar: >= 90%, and rank 8 within a few points of full SFT. Measured: LoRA 100%
+    # (2000 steps; 90% at 1000, where it still keeps the base's copying errors), full SFT 100% (500).
+    assert lora_em.score >= 0.9, lora_em.rows[:10]
     assert full_em.score >= 0.9, full_em.rows[:10]
+    assert lora_em.score >= full_em.score - 0.05, (lora_em, full_em)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
