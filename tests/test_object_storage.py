@@ -152,7 +152,8 @@ def test_a_save_killed_in_a_bucket_before_its_manifest_is_never_resumed_from(ref
     scheme, bucket_env = bucket
     env = {**resilience.ENV, **bucket_env, "MAXLM_REMOTE_SYNC_S": "0", "MAXLM_LEASE_S": str(LEASE_S)}
     run_dir = f"{scheme}://maxlm-runs/killsave-{os.getpid()}"
-    proc = subprocess.Popen(resilience.command(run_dir), env={**env, "MAXLM_TEST_MANIFEST_DELAY_S": "60"},
+    held = {"MAXLM_TEST_MANIFEST_DELAY_S": "60", "MAXLM_TEST_MANIFEST_DELAY_STEP": "8"}  # step 8's manifest waits
+    proc = subprocess.Popen(resilience.command(run_dir), env={**env, **held},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     resilience.wait_for(lambda: bucket_text(f"{run_dir}/checkpoints/8/_CHECKPOINT_METADATA", env) is not None, proc)
     assert bucket_text(f"{run_dir}/checkpoints/8/manifest.json", env) is None

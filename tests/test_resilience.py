@@ -90,8 +90,8 @@ def test_kill_9_then_restart_is_bitwise_identical(tmp_path, reference):
 
 @pytest.mark.slow
 def test_kill_during_async_save_falls_back_and_is_identical(tmp_path, reference):
-    # The manifest, written last, is held back for a while: kill inside that window.
-    proc = start(tmp_path, env={**ENV, "MAXLM_TEST_MANIFEST_DELAY_S": "30"})
+    # Step 8's manifest, written last, is held back for a while: kill inside that window.
+    proc = start(tmp_path, env={**ENV, "MAXLM_TEST_MANIFEST_DELAY_S": "30", "MAXLM_TEST_MANIFEST_DELAY_STEP": "8"})
     step_dir = tmp_path / "checkpoints" / "8"
     wait_for(lambda: step_dir.is_dir(), proc)
     assert not (step_dir / "manifest.json").exists()

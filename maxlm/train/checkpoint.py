@@ -325,8 +325,9 @@ class Checkpointer:
                     self._priority.lower(_tensorstore_threads())
                     time.sleep(0.05)
             self.manager.wait_until_finished()
-            if os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S"):  # fault-injection hook for tests
-                time.sleep(float(os.environ["MAXLM_TEST_MANIFEST_DELAY_S"]))
+            delay, only = os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S"), os.environ.get("MAXLM_TEST_MANIFEST_DELAY_STEP")
+            if delay and (not only or int(only) == step):  # fault-injection hook for tests
+                time.sleep(float(delay))
             if self.is_writer:
                 step_dir = self.directory / str(step)
                 manifest["files"] = _hash_files(step_dir) if self.cfg.verify_hashes else {}
