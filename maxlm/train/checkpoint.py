@@ -325,8 +325,10 @@ class Checkpointer:
                     self._priority.lower(_tensorstore_threads())
                     time.sleep(0.05)
             self.manager.wait_until_finished()
-            delay, only = os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S"), os.environ.get("MAXLM_TEST_MANIFEST_DELAY_STEP")
-            if delay and (not only or int(only) == step):  # fault-injection hook for tests
+            # Fault-injection hook for tests: hold back the manifest (of one step only, if given).
+            delay = os.environ.get("MAXLM_TEST_MANIFEST_DELAY_S")
+            only = os.environ.get("MAXLM_TEST_MANIFEST_DELAY_STEP")
+            if delay and (not only or int(only) == step):
                 time.sleep(float(delay))
             if self.is_writer:
                 step_dir = self.directory / str(step)
