@@ -32,19 +32,19 @@ REMOTE_SCHEMES = ("gs://", "s3://")
 AnyPath = Union[Path, Any]  # pathlib.Path or etils.epath.Path
 
 
-class _OncePerMessage(logging.Filter):
+class _LayoutWarningsOnce(logging.Filter):
     """gcsfs asks GCS's control plane for a bucket's layout before each upload and, when it cannot
     learn it (an emulator, or credentials without the storage-layout permission), warns again on
     every call; thousands of identical lines bury the run's output and, written to a pipe that
     nobody drains, stall the process. The first of each is enough."""
 
-    def __init__(self, topics: tuple[str, ...]):
+    def __init__(self) -> None:
         super().__init__()
-        self.topics, self.seen = topics, set()
+        self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if not any(topic in message for topic in self.topics):
+        if "bucket type" not in message and "storage layout" not in message:
             return True
         if message in self.seen:
             return False
@@ -52,7 +52,7 @@ class _OncePerMessage(logging.Filter):
         return True
 
 
-logging.getLogger("gcsfs").addFilter(_OncePerMessage(("bucket type", "storage layout")))
+logging.getLogger("gcsfs").addFilter(_LayoutWarningsOnce())
 
 
 def is_remote(location: str | os.PathLike) -> bool:

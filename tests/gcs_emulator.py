@@ -45,13 +45,11 @@ def _object_name(request) -> str | None:
     return None
 
 
-def _failed_precondition(request, storage) -> HTTPStatus | None:
-    """The answer GCS gives when a request's generation preconditions do not hold, else None."""
+def _failed_precondition(request, live: int | None) -> HTTPStatus | None:
+    """The answer GCS gives when a request's generation preconditions do not hold against the
+    object's ``live`` generation (None: no object), else None."""
     match = request.query.get("ifGenerationMatch", [None])[0]
     not_match = request.query.get("ifGenerationNotMatch", [None])[0]
-    if match is None and not_match is None:
-        return None
-    live = _generation(storage, request.params["bucket_name"], _object_name(request))
     if match is not None and (live or 0) != int(match):
         return HTTPStatus.PRECONDITION_FAILED  # 0 means "only if absent"
     if not_match is not None and live is not None and live == int(not_match):
@@ -61,16 +59,16 @@ def _failed_precondition(request, storage) -> HTTPStatus | None:
 
 def preconditioned(handler):
     def handle(request, response, storage, *args, **kwargs):
-        refusal = _failed_precondition(request, storage)
+        live = _generation(storage, request.params["bucket_name"], _object_name(request))
+        refusal = _failed_precondition(request, live)
         if refusal is not None:
             response.status = refusal
             return None
         result = handler(request, response, storage, *args, **kwargs)
-        if request.method == "GET" and response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
-            live = _generation(storage, request.params["bucket_name"], _object_name(request))
-            if live is not None:
-                response["x-goog-generation"] = str(live)
-                response["x-goog-metageneration"] = "1"
+        if request.method == "GET" and live is not None and response.status in (HTTPStatus.OK,
+                                                                                 HTTPStatus.PARTIAL_CONTENT):
+            response["x-goog-generation"] = str(live)  # a read changes nothing: still the live one
+            response["x-goog-metageneration"] = "1"
         return result
     return handle
 

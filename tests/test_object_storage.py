@@ -70,7 +70,7 @@ def s3_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gcs_env(tmp_path_factory):
+def gs_env(tmp_path_factory):
     """gcp-storage-emulator on loopback, in memory, with the bucket made."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "w")
@@ -108,7 +108,7 @@ def losses_of(text: str) -> dict[int, float]:
 @pytest.fixture(params=["s3", "gs"])
 def bucket(request) -> tuple[str, dict]:
     """(scheme, client environment) of each object store, so every test below runs against both."""
-    return request.param, request.getfixturevalue({"s3": "s3_env", "gs": "gcs_env"}[request.param])
+    return request.param, request.getfixturevalue(f"{request.param}_env")
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +169,11 @@ def test_a_save_killed_in_a_bucket_before_its_manifest_is_never_resumed_from(ref
 
 
 @pytest.mark.slow
-def test_a_run_in_gcs_saves_and_opens_like_the_same_run_on_local_disk(gcs_env, tmp_path):
+def test_a_run_in_gcs_saves_and_opens_like_the_same_run_on_local_disk(gs_env, tmp_path):
     """gs:// is Orbax's own path (tensorstore's gcs kvstore); the records, the lock and the loader
     are ours. The emulator honours generation preconditions (tests/gcs_emulator.py), which OCDBT's
     manifest writes rely on, so the run saves several checkpoints as it would on real GCS."""
-    env = {**resilience.ENV, **gcs_env, "MAXLM_REMOTE_SYNC_S": "0"}
+    env = {**resilience.ENV, **gs_env, "MAXLM_REMOTE_SYNC_S": "0"}
     bindings = ["TrainConfig.steps = 8", "CheckpointConfig.every_steps = 2"]
     run_dir = f"gs://maxlm-runs/run-{os.getpid()}"
 
