@@ -95,7 +95,8 @@ class DPOConfig:
     without the adapters, no second copy)."""
 
     # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"} (strings or chat message
-    # lists), or synthetic:TASK[:N] (SFT's string tasks: the right answer chosen, a wrong one rejected).
+    # lists), or synthetic:TASK[:N[:KINDS]] (SFT's string tasks: the right answer chosen, a wrong one
+    # rejected; KINDS as maxlm/data/preference.py lists them).
     data: str = ""
     eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of the prompt)
     eval_fraction: float = 0.05
@@ -118,7 +119,7 @@ class RewardConfig:
     scalar head, trained with the Bradley-Terry loss on preference pairs (DPOConfig's data format),
     usually from an SFT'd model (TrainConfig.init_from)."""
 
-    # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"}, or synthetic:TASK[:N].
+    # JSONL files (globs, ';'-separated) of {"prompt", "chosen", "rejected"}, or synthetic:TASK[:N[:KINDS]].
     data: str = ""
     eval_data: str = ""  # held-out JSONL; "" holds out eval_fraction of data (by a hash of the prompt)
     eval_fraction: float = 0.05

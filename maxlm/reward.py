@@ -14,7 +14,8 @@ EPILOG = """examples:
   python -m maxlm.reward --config=reward_tiny.gin --gin_bindings="ModelConfig.lora_rank=8"
 
 RewardConfig.data: JSONL lines {"prompt", "chosen", "rejected"}, each a string or a list of chat
-messages, or synthetic:upper|reverse|sort|capitalize[:N]. Bad lines are counted and listed with
+messages, or synthetic:TASK[:N[:KINDS]] (TASK upper|reverse|sort|capitalize or a mixture a+b;
+KINDS of wrong reply unchanged+reversed+substituted+dropped+other). Bad lines are counted and listed with
 FILE:LINE, never fatal. The reward of a conversation is a scalar head on the final hidden state of
 its last reply token; the loss is -log sigmoid(r_chosen - r_rejected) (+ center_rewards_coefficient
 (r_chosen + r_rejected)^2). Logged: accuracy, margin, rewards/chosen, rewards/rejected (means over

@@ -204,6 +204,30 @@ def test_synthetic_pairs_follow_and_break_the_rule():
     assert kinds == {True, False}  # several kinds of wrong answer
 
 
+def test_synthetic_pairs_take_the_kinds_of_wrong_reply_asked_for():
+    """synthetic:TASK:N:KINDS rejects with the kinds named, in turn; "other" is the answer another
+    task of the mixture gives (here: the uppercased word for "Capitalize", and the reverse)."""
+    pairs, _ = preference.read("synthetic:upper+capitalize:40:unchanged+dropped+other")
+    seen = set()
+    for i, p in enumerate(pairs):
+        instruction, word = p.prompt[0]["content"].split("\n\n")
+        upper = instruction.startswith("Uppercase")
+        right, other = (word.upper(), word.capitalize()) if upper else (word.capitalize(), word.upper())
+        kind = ("unchanged", "dropped", "other")[(i // 2) % 3]
+        rejected = p.rejected[0]["content"]
+        assert p.chosen[0]["content"] == right and rejected != right
+        assert {"unchanged": rejected == word, "dropped": len(rejected) == len(word) - 1,
+                "other": rejected == other}[kind], (kind, p)
+        seen.add((upper, kind))
+    assert len(seen) == 6
+    for spec, needle in [("synthetic:upper:40:sideways", "unknown kind of wrong reply 'sideways'"),
+                         ("synthetic:upper:40:other", "needs a mixture"),
+                         ("synthetic:upper:forty", "N a number")]:
+        with pytest.raises(preference.PreferenceDataError) as err:
+            preference.read(spec)
+        assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def test_bad_config_is_one_line():
     for bindings, needle in [(["DPOConfig.data=''"], "needs DPOConfig.data"),
                              (["DPOConfig.loss_type='kto'"], "DPOConfig.loss_type"),

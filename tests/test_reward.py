@@ -85,12 +85,11 @@ def _loop_cfg(run_dir, *bindings):
 
 @pytest.mark.slow
 def test_reward_model_separates_heldout_pairs(sft_start, tmp_path):
-    """Held-out accuracy well above chance, and the scoring function, from the run and from its
-    export (the head in reward_head.safetensors), ranks the held-out pairs the same way.
-
-    Not yet the Must-show's 0.9: from the 250-step SFT start this 0.4M model reaches 0.74-0.76
-    whatever the steps (150 or 400), learning rate (1e-3 or 3e-3) or pooling (last or mean) tried;
-    issue 16 stays open on it."""
+    """The Must-show: held-out accuracy above 0.9 on reward_tiny.gin's set, whose rule a small model
+    can learn (follow the prompt's instruction, upper case or capitalized, on the whole word); and the
+    scoring function, from the run and from its export (the head in reward_head.safetensors), ranks
+    the held-out pairs the same way. (On synthetic:upper's letter-by-letter kinds, reversed and
+    substituted, this 0.4M model stays at chance: the README has the figures.)"""
     from maxlm.hf.cli import main as hf_main
     from maxlm.hf.load import load_model
     from maxlm.posttrain import build_task
@@ -110,7 +109,7 @@ def test_reward_model_separates_heldout_pairs(sft_start, tmp_path):
           + ", ".join(f"{k} {metrics[k]:.4g}" for k in reward.METRICS)
           + f"; eval loss {summary['eval_losses'][0][1]:.4f} -> {summary['eval_losses'][-1][1]:.4f}")
     assert metrics["pairs"] == len(pairs.eval) >= 150
-    assert metrics["accuracy"] > 0.7, metrics
+    assert metrics["accuracy"] > 0.9, metrics
     assert metrics["margin"] > 0
 
     scorer = reward.Scorer(loaded.cfg, loaded.params, loaded.tokenizer, head, pooling=pooling)

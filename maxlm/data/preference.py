@@ -13,11 +13,14 @@ included). Both sequences of a pair are ``prompt + reply`` rendered through the 
 exactly the tokens of the pair's own reply (its text, the template's closing newline and eos; the
 prompt's earlier assistant turns carry none), as SFT's mask does.
 
-Or ``synthetic:TASK[:N]`` (TASK as ``maxlm.data.sft``'s: reverse, upper, sort, capitalize, or a
-mixture ``a+b``): the SFT task's instruction as the prompt, the correct transformation chosen, and
-a wrong one rejected, in turn: the word unchanged, the right answer reversed, one letter of it
-replaced, one letter dropped. The rule is visible and learnable, so "generations follow the rule
-more often" is measured by exact match through maxlm's generation.
+Or ``synthetic:TASK[:N[:KINDS]]`` (TASK as ``maxlm.data.sft``'s: reverse, upper, sort, capitalize,
+or a mixture ``a+b``): the SFT task's instruction as the prompt, the correct transformation chosen,
+and a wrong one rejected, the ``KINDS`` (``+``-joined, default all of ``WRONG``) in turn: the word
+unchanged, the right answer reversed, one letter of it replaced, one letter dropped, or (``other``,
+mixtures only) the answer another task of the mixture gives. Generations that follow the rule more
+often are measured by exact match through maxlm's generation. The kinds differ in what a judge must
+compare: ``unchanged``, ``dropped`` and ``other`` show in the reply's case, length and the prompt's
+instruction; ``reversed`` and ``substituted`` only letter by letter against the prompt's word.
 
 Stages, each counted in the report (``maxlm.data.sft.Report``; ``summary`` prints it):
 
@@ -53,6 +56,7 @@ from maxlm.data.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
 WRONG = ("unchanged", "reversed", "substituted", "dropped")  # the synthetic rejected replies, in turn
+KINDS = WRONG + ("other",)  # "other": another task's answer (mixtures only)
 
 
 class PreferenceDataError(SFTDataError):
@@ -74,9 +78,14 @@ class Pair:
 # Reading
 
 
-def wrong_answer(task: str, word: str, kind: str, rng: random.Random) -> str:
-    """A reply that breaks the rule of ``task`` on ``word`` (never the right one)."""
+def wrong_answer(task: str, word: str, kind: str, rng: random.Random, others: tuple[str, ...] = ()) -> str:
+    """A reply that breaks the rule of ``task`` on ``word`` (never the right one); ``others``: the
+    mixture's other tasks, whose answers ``kind`` "other" gives."""
     right = synthetic_answer(task, word)
+    if kind == "other":
+        wrong = [a for a in (synthetic_answer(t, word) for t in others) if a != right]
+        if wrong:
+            return rng.choice(wrong)
     if kind == "unchanged" and word != right:
         return word
     if kind == "reversed" and right[::-1] != right:
@@ -90,16 +99,32 @@ def wrong_answer(task: str, word: str, kind: str, rng: random.Random) -> str:
     return right[:i] + (new.upper() if right[i].isupper() else new) + right[i + 1:]
 
 
-def synthetic_pairs(task: str, n: int, seed: int = 0) -> list[dict]:
+def synthetic_pairs(task: str, n: int, seed: int = 0, kinds: tuple[str, ...] = WRONG) -> list[dict]:
     """n preference records: SFT's synthetic instruction, the right answer chosen, a wrong one
-    (``WRONG``, in turn) rejected."""
+    (``kinds``, in turn) rejected."""
     rng = random.Random(f"preference/{task}/{seed}")
+    tasks = task.split("+")
     out = []
     for i, rec in enumerate(synthetic_examples(task, n, seed)):
-        t = task.split("+")[i % len(task.split("+"))]
-        out.append({"prompt": f"{rec['instruction']}\n\n{rec['input']}", "chosen": rec["output"],
-                    "rejected": wrong_answer(t, rec["input"], WRONG[(i // len(task.split('+'))) % len(WRONG)], rng)})
+        t = tasks[i % len(tasks)]
+        kind = kinds[(i // len(tasks)) % len(kinds)]
+        out.append({"prompt": f"{rec['instruction']}\n\n{rec['input']}", "chosen": rec["output"], "kind": kind,
+                    "rejected": wrong_answer(t, rec["input"], kind, rng, tuple(x for x in tasks if x != t))})
     return out
+
+
+def synthetic_spec(spec: str) -> tuple[str, int, tuple[str, ...]]:
+    """(task, n, kinds) of ``synthetic:TASK[:N[:KINDS]]``; PreferenceDataError (one line) when bad."""
+    _, task, *rest = spec.split(":")
+    if len(rest) > 2 or (rest and not rest[0].isdigit()):
+        raise PreferenceDataError(f"{spec!r}: expected synthetic:TASK[:N[:KINDS]], N a number")
+    kinds = tuple(rest[1].split("+")) if len(rest) == 2 else WRONG
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise PreferenceDataError(f"{spec!r}: unknown kind of wrong reply {unknown[0]!r}; known: {', '.join(KINDS)}")
+    if "other" in kinds and "+" not in task:
+        raise PreferenceDataError(f"{spec!r}: the kind 'other' needs a mixture of tasks (a+b), whose answers it swaps")
+    return task, int(rest[0]) if rest else 2000, kinds
 
 
 def _messages(value: Any, name: str, default_role: str) -> tuple[list[dict] | None, str]:
@@ -146,11 +171,8 @@ def read(spec: str, report: Report | None = None) -> tuple[list[Pair], Report]:
     report = report or Report()
     pairs: list[Pair] = []
     if spec.startswith("synthetic:"):
-        _, task, *count = spec.split(":")
-        if count and not count[0].isdigit():
-            raise PreferenceDataError(f"{spec!r}: the count after the task must be a number")
-        n = int(count[0]) if count else 2000
-        for i, rec in enumerate(synthetic_pairs(task, n)):
+        task, n, kinds = synthetic_spec(spec)
+        for i, rec in enumerate(synthetic_pairs(task, n, kinds=kinds)):
             report.lines += 1
             pairs.append(pair_of(rec, f"{spec}#{i}")[0])
         return pairs, report
