@@ -15,8 +15,9 @@ EPILOG = """examples:
   python -m maxlm.dpo --config=dpo_tiny.gin --gin_bindings="ModelConfig.lora_rank=8"   # reference = the base
 
 DPOConfig.data: JSONL lines {"prompt", "chosen", "rejected"}, each a string or a list of chat messages
-({"role", "content"}), or synthetic:upper|reverse|sort|capitalize[:N] (the right answer chosen, a wrong
-one rejected). Bad lines are counted and listed with FILE:LINE, never fatal. loss_type sigmoid (DPO,
+({"role", "content"}), or synthetic:TASK[:N[:KINDS]] (TASK upper|reverse|sort|capitalize or a mixture
+a+b; the right answer chosen, a wrong one of KINDS unchanged+reversed+substituted+dropped+other
+rejected). Bad lines are counted and listed with FILE:LINE, never fatal. loss_type sigmoid (DPO,
 label_smoothing for cDPO), robust or ipo, beta the KL strength, as TRL defines them. The reference is
 the run's start (TrainConfig.init_from / init_params), frozen; with LoRA it is the base without the
 adapters. Logged: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,

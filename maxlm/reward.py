@@ -15,8 +15,8 @@ EPILOG = """examples:
 
 RewardConfig.data: JSONL lines {"prompt", "chosen", "rejected"}, each a string or a list of chat
 messages, or synthetic:TASK[:N[:KINDS]] (TASK upper|reverse|sort|capitalize or a mixture a+b;
-KINDS of wrong reply unchanged+reversed+substituted+dropped+other). Bad lines are counted and listed with
-FILE:LINE, never fatal. The reward of a conversation is a scalar head on the final hidden state of
+KINDS of wrong reply unchanged+reversed+substituted+dropped+other). Bad lines are counted and
+listed with FILE:LINE, never fatal. The reward of a conversation is a scalar head on the final hidden state of
 its last reply token; the loss is -log sigmoid(r_chosen - r_rejected) (+ center_rewards_coefficient
 (r_chosen + r_rejected)^2). Logged: accuracy, margin, rewards/chosen, rewards/rejected (means over
 pairs). python -m maxlm.hf export RUN --out DIR writes the head as DIR/reward_head.safetensors.

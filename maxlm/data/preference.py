@@ -101,7 +101,7 @@ def wrong_answer(task: str, word: str, kind: str, rng: random.Random, others: tu
 
 def synthetic_pairs(task: str, n: int, seed: int = 0, kinds: tuple[str, ...] = WRONG) -> list[dict]:
     """n preference records: SFT's synthetic instruction, the right answer chosen, a wrong one
-    (``kinds``, in turn) rejected."""
+    (``kinds``, in turn) rejected; each names its ``kind`` (for accuracy by kind; readers ignore it)."""
     rng = random.Random(f"preference/{task}/{seed}")
     tasks = task.split("+")
     out = []
