@@ -137,6 +137,25 @@ def test_cleaning_stages_apply_to_sft_data(tmp_path):
     assert "Café  ok\n" in texts or "Café ok\n" in texts
 
 
+def test_every_reader_parses_synthetic_specs_alike():
+    """SFT examples, GRPO prompts and preference pairs read synthetic:TASK[:N] through one parser:
+    N defaults to 2000, and a count that is not a number or a field no reader takes is one line."""
+    from maxlm.data import preference, prompts, sft as sft_data
+
+    readers = [(sft_data.read, sft_data.SFTDataError), (prompts.read, prompts.PromptDataError),
+               (preference.read, preference.PreferenceDataError)]
+    for read, error in readers:
+        assert read("synthetic:upper:12")[1].lines == 12
+        for spec in ("synthetic:upper:12x", "synthetic:upper:12:unchanged:extra"):
+            with pytest.raises(error) as err:
+                read(spec)
+            assert "N a number" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    for read, error in readers[:2]:  # only preference pairs take a field after N (their kinds)
+        with pytest.raises(error, match="N a number"):
+            read("synthetic:upper:12:unchanged")
+    assert sft_data.synthetic_spec("synthetic:upper") == ("upper", 2000, None)
+
+
 def test_bad_config_is_one_line(tmp_path):
     for bindings, needle in [(["TrainConfig.task='sft'"], "SFTConfig.data"),
                              (["TrainConfig.task='rlhf'"], "TrainConfig.task = 'rlhf' is not one of"),

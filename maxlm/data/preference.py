@@ -51,7 +51,8 @@ import numpy as np
 
 from maxlm.data import chat, clean, dedup
 from maxlm.data.pipeline import DataIterator, _grain_seed
-from maxlm.data.sft import Report, SFTDataError, _held_out, json_records, synthetic_answer, synthetic_examples
+from maxlm.data.sft import (Report, SFTDataError, _held_out, json_records, synthetic_answer, synthetic_examples,
+                            synthetic_spec)
 from maxlm.data.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
@@ -101,30 +102,28 @@ def wrong_answer(task: str, word: str, kind: str, rng: random.Random, others: tu
 
 def synthetic_pairs(task: str, n: int, seed: int = 0, kinds: tuple[str, ...] = WRONG) -> list[dict]:
     """n preference records: SFT's synthetic instruction, the right answer chosen, a wrong one
-    (``kinds``, in turn) rejected; each names its ``kind`` (for accuracy by kind; readers ignore it)."""
+    (``kinds``, in turn) rejected."""
     rng = random.Random(f"preference/{task}/{seed}")
     tasks = task.split("+")
     out = []
     for i, rec in enumerate(synthetic_examples(task, n, seed)):
         t = tasks[i % len(tasks)]
         kind = kinds[(i // len(tasks)) % len(kinds)]
-        out.append({"prompt": f"{rec['instruction']}\n\n{rec['input']}", "chosen": rec["output"], "kind": kind,
+        out.append({"prompt": f"{rec['instruction']}\n\n{rec['input']}", "chosen": rec["output"],
                     "rejected": wrong_answer(t, rec["input"], kind, rng, tuple(x for x in tasks if x != t))})
     return out
 
 
-def synthetic_spec(spec: str) -> tuple[str, int, tuple[str, ...]]:
+def synthetic_pair_spec(spec: str) -> tuple[str, int, tuple[str, ...]]:
     """(task, n, kinds) of ``synthetic:TASK[:N[:KINDS]]``; PreferenceDataError (one line) when bad."""
-    _, task, *rest = spec.split(":")
-    if len(rest) > 2 or (rest and not rest[0].isdigit()):
-        raise PreferenceDataError(f"{spec!r}: expected synthetic:TASK[:N[:KINDS]], N a number")
-    kinds = tuple(rest[1].split("+")) if len(rest) == 2 else WRONG
+    task, n, field = synthetic_spec(spec, "KINDS", PreferenceDataError)
+    kinds = WRONG if field is None else tuple(field.split("+"))
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise PreferenceDataError(f"{spec!r}: unknown kind of wrong reply {unknown[0]!r}; known: {', '.join(KINDS)}")
     if "other" in kinds and "+" not in task:
         raise PreferenceDataError(f"{spec!r}: the kind 'other' needs a mixture of tasks (a+b), whose answers it swaps")
-    return task, int(rest[0]) if rest else 2000, kinds
+    return task, n, kinds
 
 
 def _messages(value: Any, name: str, default_role: str) -> tuple[list[dict] | None, str]:
@@ -171,7 +170,7 @@ def read(spec: str, report: Report | None = None) -> tuple[list[Pair], Report]:
     report = report or Report()
     pairs: list[Pair] = []
     if spec.startswith("synthetic:"):
-        task, n, kinds = synthetic_spec(spec)
+        task, n, kinds = synthetic_pair_spec(spec)
         for i, rec in enumerate(synthetic_pairs(task, n, kinds=kinds)):
             report.lines += 1
             pairs.append(pair_of(rec, f"{spec}#{i}")[0])

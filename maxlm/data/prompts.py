@@ -26,7 +26,7 @@ import numpy as np
 from maxlm.data import chat
 from maxlm.data.pipeline import DataIterator, _grain_seed
 from maxlm.data.preference import _messages
-from maxlm.data.sft import Example, Report, SFTDataError, _held_out, json_records, synthetic_examples
+from maxlm.data.sft import Example, Report, SFTDataError, _held_out, json_records, synthetic_examples, synthetic_spec
 from maxlm.data.tokenizer import Tokenizer
 
 
@@ -62,11 +62,9 @@ def read(spec: str, report: Report | None = None) -> tuple[list[Prompt], Report]
     """Every prompt of the JSONL files ``spec`` names (globs, ';'-separated) or of a synthetic task."""
     report = report or Report()
     if spec.startswith("synthetic:"):
-        _, task, *count = spec.split(":")
-        if count and not count[0].isdigit():
-            raise PromptDataError(f"{spec!r}: the count after the task must be a number")
+        task, n, _ = synthetic_spec(spec, error=PromptDataError)
         out = []
-        for i, rec in enumerate(synthetic_examples(task, int(count[0]) if count else 2000)):
+        for i, rec in enumerate(synthetic_examples(task, n)):
             report.lines += 1
             out.append(Prompt(chat.instruction_messages(rec["instruction"], rec["input"]), rec["output"],
                               f"{spec}#{i}"))

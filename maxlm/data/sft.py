@@ -109,6 +109,16 @@ def synthetic_answer(task: str, word: str) -> str:
             "capitalize": word.capitalize()}[task]
 
 
+def synthetic_spec(spec: str, extra: str = "", error: type[SFTDataError] = SFTDataError) -> tuple[str, int, str | None]:
+    """(TASK, N, the field after N or None) of ``synthetic:TASK[:N]``, N 2000 when left out; ``extra``
+    names the one more field a reader takes (preference data's ``KINDS``). ``error`` (one line) when N
+    is not a number or more fields follow than the reader takes."""
+    _, task, *rest = spec.split(":")
+    if len(rest) > (2 if extra else 1) or (rest and not rest[0].isdigit()):
+        raise error(f"{spec!r}: expected synthetic:TASK[:N{f'[:{extra}]' if extra else ''}], N a number")
+    return task, int(rest[0]) if rest else 2000, rest[1] if len(rest) == 2 else None
+
+
 def synthetic_examples(task: str, n: int, seed: int = 0, min_len: int = 3, max_len: int = 7) -> list[dict]:
     """n instruction records of a deterministic string task on random lowercase words; ``task``
     may be a mixture ``a+b`` (the tasks take turns, each with its own words)."""
@@ -202,10 +212,7 @@ def read(spec: str, fmt: str = "auto", report: Report | None = None) -> tuple[li
     report = report or Report()
     examples: list[Example] = []
     if spec.startswith("synthetic:"):
-        _, task, *count = spec.split(":")
-        n = int(count[0]) if count and count[0].isdigit() else 2000
-        if count and not count[0].isdigit():
-            raise SFTDataError(f"{spec!r}: the count after the task must be a number")
+        task, n, _ = synthetic_spec(spec)
         for i, rec in enumerate(synthetic_examples(task, n)):
             report.lines += 1
             examples.append(Example(_messages_of(rec, "instruction")[0], f"{spec}#{i}"))
