@@ -28,4 +28,4 @@ echo "test_newest_jax: upgrading $venv (Python $("$venv/bin/python" -c 'import s
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -U jax flax optax orbax-checkpoint grain tensorstore -e '.[serve,test]'
 "$venv/bin/python" -c "import jax, flax, optax, orbax.checkpoint as o, grain, sys; print('test_newest_jax: python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__)"
 workers=$("$venv/bin/python" -c "import os; print(min(os.cpu_count() or 1, 4))")
-exec "$venv/bin/python" -m pytest -n "$workers" --dist loadfile -m "not slow and not vllm and not lmeval" "$@"
+exec "$venv/bin/python" -m pytest -n "$workers" --dist loadfile --max-worker-restart=0 -m "not slow and not vllm and not lmeval" "$@"

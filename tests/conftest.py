@@ -37,7 +37,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code_after_each_file():
+    """jax keeps every executable a process compiles, so a pytest worker that runs thirty files grew
+    to 6 GB by the end of the suite; beside a vLLM server and a training subprocess that left CI's
+    24 GiB machine short, and a worker killed there hangs pytest-xdist's --dist loadfile (see
+    scripts/test.sh). Dropping the caches after each file bounds a worker by its largest file."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
