@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices, forced before anything imports jax."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -36,8 +37,6 @@ def pytest_collection_modifyitems(config, items):
             if "cpu_only" in item.keywords:
                 item.add_marker(skip)
 
-
-import gc  # noqa: E402
 
 import pytest  # noqa: E402
 

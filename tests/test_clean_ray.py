@@ -5,7 +5,6 @@ worker ends its process abruptly (quick exit) on some shutdown and raylet faults
 must never be a pytest worker."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from maxlm.data import clean, dedup
 from maxlm.data.__main__ import main as data_main
 from test_data_clean import corpus
+from test_resilience import ENV
 
 pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,21 +28,14 @@ def files(root: Path) -> dict[str, bytes]:
 
 def run_both(tmp_path, source, *extra):
     """Run both engines on ``source``, check they wrote the same files; returns (Ray report, Ray output dir)."""
-    outs = []
-    for engine in ("local", "ray"):
-        out = tmp_path / engine
-        argv = ["clean", source, "--out", str(out), "--quiet", "--engine", engine,
-                "--workers", "0" if engine == "local" else "2", *extra]
-        if engine == "local":
-            assert data_main(argv) == 0
-        else:
-            proc = subprocess.run([sys.executable, "-m", "maxlm.data", *argv], capture_output=True, text=True,
-                                  timeout=600, cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""})
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        outs.append(out)
-    local, ray_out = outs
+    local, ray_out = tmp_path / "local", tmp_path / "ray"
+    assert data_main(["clean", source, "--out", str(local), "--quiet", "--engine", "local", "--workers", "0", *extra]) == 0
+    argv = ["clean", source, "--out", str(ray_out), "--quiet", "--engine", "ray", "--workers", "2", *extra]
+    proc = subprocess.run([sys.executable, "-m", "maxlm.data", *argv], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert files(ray_out) == files(local) and len(files(local)) >= 2
-    reports = [json.loads((out / "report.json").read_text()) for out in outs]
+    reports = [json.loads((out / "report.json").read_text()) for out in (local, ray_out)]
     assert reports[1]["stages"] == reports[0]["stages"] and reports[1]["output"] == reports[0]["output"]
     assert reports[0]["engine"]["name"] == "local" and reports[1]["engine"]["name"] == "ray"
     clean.check_accounting(reports[1])

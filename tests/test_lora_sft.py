@@ -3,7 +3,6 @@ the exact-match bar within a few points of full SFT from the same base, QLoRA ov
 trains with the base stored at its INT4 size, and a LoRA run killed with SIGKILL resumes exactly."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,13 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from test_resilience import logged_step, losses, wait_for
+from test_resilience import ENV, logged_step, losses, wait_for
 
 from maxlm import config
 from maxlm.model import lora
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}  # one device: fast start-up
 
 
 def _sft(run_dir: Path, *bindings: str, config_file: str = "sft_tiny.gin", check: bool = True) -> str:
