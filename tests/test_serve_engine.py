@@ -201,3 +201,15 @@ def test_tensor_parallel_engine_equals_generate(llama):
     prompts, limits = load(16, seed=5)
     engine = Engine(cfg, placed, config=EngineConfig(max_num_seqs=8, block_size=8), mesh=mesh)
     assert_equal_reference(serve(engine, prompts, limits), reference(cfg, params, prompts), limits)
+
+
+@pytest.mark.slow
+def test_sliding_window_engine_equals_generate():
+    # A window shorter than most prompts and not a block multiple: the paged attention masks by
+    # position within the blocks it reads, as the dense cache of generate masks its slots.
+    cfg = ModelConfig(**{**LLAMA, "sliding_window": 13})
+    params = model.init_params(cfg, jax.random.PRNGKey(4))
+    prompts, limits = load(16, seed=6)
+    engine = Engine(cfg, params, config=EngineConfig(max_num_seqs=8, block_size=8, max_prefill_tokens=32))
+    assert_equal_reference(serve(engine, prompts, limits), reference(cfg, params, prompts), limits)
+    assert_no_leak(engine)

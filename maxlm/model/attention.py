@@ -83,14 +83,14 @@ def attention_mask(queries: Tokens, keys: Tokens, sliding_window: int = 0,
     return mask[:, None]
 
 
-def _fold(x: jax.Array, k_heads: int) -> jax.Array:
+def fold_heads(x: jax.Array, k_heads: int) -> jax.Array:
     """[B, T, N, H] -> [B, K, T*G, H]: the G query heads that share a kv head become rows."""
     b, t, n, h = x.shape
     return x.reshape(b, t, k_heads, n // k_heads, h).transpose(0, 2, 1, 3, 4).reshape(b, k_heads, -1, h)
 
 
-def _unfold(x: jax.Array, n: int) -> jax.Array:
-    """[B, K, T*G, H] -> [B, T, N, H], the inverse of ``_fold``."""
+def unfold_heads(x: jax.Array, n: int) -> jax.Array:
+    """[B, K, T*G, H] -> [B, T, N, H], the inverse of ``fold_heads``."""
     b, k_heads, rows, h = x.shape
     g = n // k_heads
     return x.reshape(b, k_heads, rows // g, g, h).transpose(0, 2, 1, 3, 4).reshape(b, rows // g, n, h)
@@ -116,7 +116,7 @@ def _softmax_attention(qg: jax.Array, kg: jax.Array, vg: jax.Array, mask: jax.Ar
 def _xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Dense grouped-query attention over the whole [T, S] square, masked by ``mask``."""
     kg, vg = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    return _unfold(_softmax_attention(_fold(q, k.shape[2]), kg, vg, mask), q.shape[2])
+    return unfold_heads(_softmax_attention(fold_heads(q, k.shape[2]), kg, vg, mask), q.shape[2])
 
 
 def query_blocks(t: int, block: int, sliding_window: int = 0) -> list[tuple[int, int, int]]:
@@ -137,7 +137,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Ar
     sees at least itself, so no row is fully masked, padding (segment 0) rows included."""
     k_heads, n = k.shape[2], q.shape[2]
     g = n // k_heads
-    qg, kg, vg = _fold(q, k_heads), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    qg, kg, vg = fold_heads(q, k_heads), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     outs = []
     for lo, hi, first in query_blocks(q.shape[1], block, sliding_window):
         iq, ik = jnp.arange(lo, hi)[:, None], jnp.arange(first, hi)[None, :]  # iota, not constants
@@ -145,7 +145,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Ar
         mask = (segments[:, lo:hi, None] == segments[:, None, first:hi]) & visible
         outs.append(_softmax_attention(qg[:, :, lo * g:hi * g], kg[:, :, first:hi], vg[:, :, first:hi],
                                        mask[:, None]))
-    return _unfold(jnp.concatenate(outs, axis=2), n)
+    return unfold_heads(jnp.concatenate(outs, axis=2), n)
 
 
 def self_attention_schedule(t: int, sliding_window: int = 0, block: int = BLOCK) -> list[tuple[int, int, int]]:

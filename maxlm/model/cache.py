@@ -1,8 +1,8 @@
 """The KV cache interface the transformer calls, and its dense (contiguous) implementation.
 
 The transformer touches a cache in exactly three places, so another layout (the serving issue's
-paged cache: blocks of K/V plus a block table per sequence) implements the same three methods and
-the model does not change:
+paged cache: blocks of K/V plus a block table per sequence) implements the same methods and the
+model does not change:
 
 - ``layers()``: the per-layer arrays, stacked on a leading ``layers`` axis. The layer scan carries
   the whole stack from layer to layer (not one slice per layer as scanned input and output), so
@@ -11,10 +11,11 @@ the model does not change:
 - ``write(tokens)``: before the layers run, decide where the new tokens go (here: slot =
   position, per row, so every row of a ragged batch writes at its own length; padding, segment
   0, goes nowhere) and return the cache with that bookkeeping, the ``Tokens`` that describe every
-  slot (the attention keys), and the write index.
-- ``update_layer(stacked, layer, k, v, where)``: inside layer ``layer`` (a traced index), store
-  the new tokens' k and v into the stack and return it with that layer's full k and v to attend
-  over.
+  slot (the attention keys; None for a cache that attends by itself), and the write index.
+- ``attend_layer(stacked, layer, q, k, v, where, sliding_window=, attend=)``: inside layer
+  ``layer`` (a traced index), store the new tokens' k and v into the stack and return it with the
+  queries' attention output over everything the cache holds. Here that is ``attend(k, v)``, the
+  model's own attention over the layer's full k and v; the paged cache runs its own over blocks.
 
 ``with_layers(stacked)`` puts the scan's final carry back. A slot whose segment id is 0 is empty:
 no query (segment >= 1) attends to it, so a padded prompt never leaks its padding.
@@ -22,7 +23,7 @@ no query (segment >= 1) attends to it, so a padded prompt never leaks its paddin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 from maxlm.config import ModelConfig
 from maxlm.model.attention import Tokens
+from maxlm.parallel.sharding import constrain
 
 LOGICAL_KV = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 LOGICAL_SLOTS = ("batch", "cache_length")
@@ -85,15 +87,17 @@ class KVCache:
         return self.replace(segments=segments), Tokens(positions=slots, segments=segments), where
 
     @staticmethod
-    def update_layer(stacked: tuple[jax.Array, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Array,
-                     where: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array, jax.Array]:
+    def attend_layer(stacked: tuple[jax.Array, jax.Array], layer: jax.Array, q: jax.Array, k: jax.Array,
+                     v: jax.Array, where: jax.Array, *, sliding_window: int, attend: Callable
+                     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         """Store k, v [B, T, K, H] of layer ``layer`` at slots ``where`` [B, T] of the stacked
-        [L, B, S, K, H] arrays; returns (stacked, the layer's k [B, S, K, H], its v)."""
+        [L, B, S, K, H] arrays; returns (stacked, ``attend`` over the layer's k and v [B, S, K, H],
+        which applies the window itself)."""
         cache_k, cache_v = stacked
         cache_k = _scatter_layer(cache_k, layer, where, k.astype(cache_k.dtype))
         cache_v = _scatter_layer(cache_v, layer, where, v.astype(cache_v.dtype))
-        read = lambda a: jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
-        return (cache_k, cache_v), read(cache_k), read(cache_v)
+        read = lambda a: constrain(jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False), LOGICAL_KV[1:])
+        return (cache_k, cache_v), attend(read(cache_k), read(cache_v))
 
 
 def _scatter_rows(target: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:

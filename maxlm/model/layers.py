@@ -31,8 +31,8 @@ class LayerContext:
 
     queries: Tokens
     keys: Tokens | None = None  # None: the queries attend to themselves (no cache)
-    where: jax.Array | None = None  # the cache's write index for the new tokens
-    update_cache: Callable | None = flax.struct.field(pytree_node=False, default=None)
+    where: Any = None  # the cache's write index for the new tokens
+    attend_cache: Callable | None = flax.struct.field(pytree_node=False, default=None)
 
 
 class Norm(nn.Module):
@@ -99,14 +99,17 @@ class Attention(nn.Module):
         if cfg.position == "rope":
             inv_freq = rope_inv_freq(cfg)
             q, key = apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq)
-        if layer_cache is not None:  # (the whole stacked cache, this layer's index)
+        def attend(key, value):
+            return attention(q, key, value, ctx.queries, ctx.keys, impl=cfg.attention_impl,
+                             sliding_window=cfg.sliding_window)
+
+        if layer_cache is None:
+            out = attend(key, value)
+        else:  # (the whole stacked cache, this layer's index)
             stacked, layer = layer_cache
-            stacked, key, value = ctx.update_cache(stacked, layer, key, value, ctx.where)
+            stacked, out = ctx.attend_cache(stacked, layer, q, key, value, ctx.where,
+                                            sliding_window=cfg.sliding_window, attend=attend)
             layer_cache = (stacked, layer)
-            key = constrain(key, ("batch", "cache_length", "kv_heads", "head_dim"))
-            value = constrain(value, ("batch", "cache_length", "kv_heads", "head_dim"))
-        out = attention(q, key, value, ctx.queries, ctx.keys, impl=cfg.attention_impl,
-                        sliding_window=cfg.sliding_window)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         # GPT-2 scales the residual projections by 1/sqrt(2L) at init.
         out = Linear(cfg, (n, h), (d,), ("heads", "head_dim"), ("embed",), bias_names=("act_embed",),

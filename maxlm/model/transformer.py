@@ -69,7 +69,7 @@ class Transformer(nn.Module):
             ctx, layer_cache = LayerContext(queries), None
         else:
             cache, keys, where = cache.write(queries)
-            ctx = LayerContext(queries, keys, where, type(cache).update_layer)
+            ctx = LayerContext(queries, keys, where, type(cache).attend_layer)
             layer_cache = cache.layers()
         x, layer_cache = self.layers(x, ctx, layer_cache)
         if cache is not None:

@@ -87,7 +87,7 @@ def check_layers(cfg: ModelConfig, n: int) -> None:
 
 def head_mask(cfg: ModelConfig, keep_groups: np.ndarray) -> np.ndarray:
     """[L, n_heads] 0/1 from a [L, n_kv_heads] 0/1 mask: query head n reads kv head n // G
-    (``maxlm.model.attention._fold``)."""
+    (``maxlm.model.attention.fold_heads``)."""
     return np.repeat(np.asarray(keep_groups, np.float32), cfg.n_heads // cfg.kv_heads, axis=1)
 
 

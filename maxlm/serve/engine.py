@@ -17,9 +17,10 @@
 4. Requests that finish (stop token, stop string, max tokens, the context) leave at once and their
    callback gets the last ``Output``; their places go to waiting requests in the next step.
 
-Shapes: a decode's batch and block-table width (what its attention reads) are padded to powers of
-two, and above 8 to multiples of 8; a prefill is rows of ``prefill_chunk`` tokens (a prompt may
-span several rows of one call), their number a power of two, over the whole context. ``warmup``
+Shapes: a decode's batch is padded to a power of two, and above 8 to a multiple of 8; a prefill
+is rows of ``prefill_chunk`` tokens (a prompt may span several rows of one call), their number a
+power of two. Block tables are always as wide as the context: attention reads only the blocks the
+rows hold (``maxlm.serve.paged_cache``), so the table width costs no work and no compile. ``warmup``
 compiles every shape before serving. Greedy requests
 give exactly ``maxlm.infer.generate``'s tokens: batching, paging and preemption change no result.
 """
@@ -52,12 +53,10 @@ from maxlm.serve.paged_cache import PagedKVCache, copy_blocks
 
 log = logging.getLogger("maxlm.serve")
 
-MIN_WIDTH_BLOCKS = 4  # smallest bucket of block-table width
-# Decode buckets: powers of two up to these, then multiples of them. Padding rows and padding
-# blocks cost a decode step as much as real ones (attention over the table is most of a step on
-# CPU), so the buckets are finer where they are large; each is one more compile at start-up.
+# Decode batch buckets: powers of two up to this, then multiples of it. A padding row costs a
+# decode step's weights-bound work as much as a real one, so the buckets are finer where they are
+# large; each is one more compile at start-up.
 BATCH_STEP = 8
-TABLE_STEP = 8
 THROUGHPUT_WINDOW_S = 10.0  # the tokens/s gauge counts the tokens of this many recent seconds
 
 
@@ -202,7 +201,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
         tensor = self.mesh.shape["tensor"]
         heads = "tensor" if cfg.kv_heads % tensor == 0 else None
-        self._pool_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, heads, None))
+        self._pool_sharding = NamedSharding(self.mesh, PagedKVCache.pool_spec(heads))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         shape = PagedKVCache.pool_shape(cfg, num_blocks, bs)
         from maxlm.model.linear import DTYPES
@@ -371,20 +370,17 @@ class Engine:
         A request's prompt may span several rows of one prefill call: every row's new K/V is
         scattered into the pool before any row gathers its blocks (in each layer), so a later
         chunk attends to an earlier one of the same call, and the positional mask keeps each
-        query causal. Shapes: a decode pads its rows to a batch bucket and its block tables to a
-        width bucket (what attention reads); a prefill has rows of ``prefill_chunk`` tokens, their
-        number a power of two, over the whole context. ``padding``: every row is padding (the
+        query causal. Shapes: a decode pads its rows to a batch bucket; a prefill has rows of
+        ``prefill_chunk`` tokens, their number a power of two; tables span the whole context. ``padding``: every row is padding (the
         warm-up's compiles), so nothing is written."""
-        bs, cap = self.config.block_size, self.max_blocks
         if kind == "decode":
             batch, width = _bucket(len(rows), 1, self.config.max_num_seqs, BATCH_STEP), 1
-            table_w = _bucket(max(-(-end // bs) for *_, end in rows), MIN_WIDTH_BLOCKS, cap, TABLE_STEP)
-        else:  # the whole context: a prefill is a few calls per prompt, and each table width a compile
-            batch, width, table_w = self.prefill_rows(len(rows)), self.config.prefill_chunk, cap
+        else:
+            batch, width = self.prefill_rows(len(rows)), self.config.prefill_chunk
         tokens = np.zeros((batch, width), np.int32)
         positions = np.zeros((batch, width), np.int32)
         valid = np.zeros((batch, width), np.int32)
-        tables = np.zeros((batch, table_w), np.int32)
+        tables = np.zeros((batch, self.max_blocks), np.int32)
         lengths = np.zeros(batch, np.int32)
         last = np.zeros(batch, np.int32)
         temperature = np.zeros(batch, np.float32)
@@ -396,8 +392,7 @@ class Engine:
             tokens[i, :n] = seq.tokens[start:start + n]
             positions[i, :n] = np.arange(start, start + n)
             valid[i, :n] = 0 if padding else 1
-            held = seq.blocks[:table_w]
-            tables[i, :len(held)] = held
+            tables[i, :len(seq.blocks)] = seq.blocks
             lengths[i], last[i] = end, n - 1
             p = seq.params
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
@@ -600,19 +595,13 @@ class Engine:
         n = self.config.max_num_seqs
         return sorted({_bucket(b, 1, n, BATCH_STEP) for b in range(1, n + 1)})
 
-    def table_buckets(self) -> list[int]:
-        """The block-table widths (in blocks) steps are padded to."""
-        return sorted({_bucket(b, MIN_WIDTH_BLOCKS, self.max_blocks, TABLE_STEP) for b in range(1, self.max_blocks + 1)})
-
     def warmup(self) -> float:
-        """Compile the decode step for every (batch, table width) bucket and a one-row prefill of
+        """Compile the decode step for every batch bucket and a one-row prefill of
         every chunk width, with rows of padding (they write nothing). Returns the seconds taken."""
         start = time.perf_counter()
         pad = _Seq("warmup", [0] * max(self.cfg.max_seq_len, self.config.prefill_chunk), 0, 1, RequestParams(), frozenset(), 0, lambda o: None, 0.0)
-        for table_w in self.table_buckets():
-            end = table_w * self.config.block_size
-            for batch in self.decode_buckets():
-                self._run("decode", [(pad, end - 1, 1, end)] * batch, padding=True)
+        for batch in self.decode_buckets():
+            self._run("decode", [(pad, 0, 1, 1)] * batch, padding=True)
         null = jax.device_put(np.zeros(1, np.int32), self._replicated)  # block 0 onto itself: zeros stay zeros
         with jax.set_mesh(self.mesh):
             self.pool_k = self._copy(self.pool_k, null, null)
