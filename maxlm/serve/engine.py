@@ -164,16 +164,32 @@ def _bucket(n: int, low: int, cap: int, step: int = 0) -> int:
     return min(cap, max(low, 1 << max(n - 1, 0).bit_length()))
 
 
-def _step(cfg: ModelConfig, block_size: int, params: Any, pool_k: jax.Array, pool_v: jax.Array, tokens: jax.Array,
-          positions: jax.Array, valid: jax.Array, tables: jax.Array, lengths: jax.Array, last: jax.Array,
-          temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
-          counts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+# A step's inputs travel as two arrays: two host-to-device transfers instead of eleven (on a
+# 2-device CPU mesh ~0.13 ms of Python per step instead of ~0.4, more under load). ``_fields``
+# names their columns, on the host (views to fill) and in the step (slices to read) alike.
+_PER_ROW = ("lengths", "last", "top_k", "seeds", "counts")
+
+
+def _fields(ints: Any, floats: Any, table_w: int) -> dict[str, Any]:
+    """ints [B, 3 * T + table_w + 5] int32 and floats [B, 2] float32 -> the named fields: tokens,
+    positions, valid ([B, T] each), tables [B, table_w], the per-row ``_PER_ROW`` ints,
+    temperature and top_p."""
+    width = (ints.shape[1] - table_w - len(_PER_ROW)) // 3
+    fields = {name: ints[:, i * width:(i + 1) * width] for i, name in enumerate(("tokens", "positions", "valid"))}
+    fields["tables"] = ints[:, 3 * width:3 * width + table_w]
+    fields.update({name: ints[:, 3 * width + table_w + i] for i, name in enumerate(_PER_ROW)})
+    return {**fields, "temperature": floats[:, 0], "top_p": floats[:, 1]}
+
+
+def _step(cfg: ModelConfig, block_size: int, params: Any, pool_k: jax.Array, pool_v: jax.Array, ints: jax.Array,
+          floats: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One forward over [B, T] tokens through the paged cache; the next token of each row, picked
     from the logits at its column ``last``."""
-    cache = PagedKVCache(pool_k, pool_v, tables, lengths, block_size)
-    logits, cache = forward(cfg, params, tokens, valid, positions, cache)
-    logits = mask_vocab(logits[jnp.arange(tokens.shape[0]), last], cfg.vocab_size)
-    return cache.k, cache.v, pick_rows(logits, temperature, top_k, top_p, seeds, counts)
+    f = _fields(ints, floats, -(-cfg.max_seq_len // block_size))
+    cache = PagedKVCache(pool_k, pool_v, f["tables"], f["lengths"], block_size)
+    logits, cache = forward(cfg, params, f["tokens"], f["valid"], f["positions"], cache)
+    logits = mask_vocab(logits[jnp.arange(ints.shape[0]), f["last"]], cfg.vocab_size)
+    return cache.k, cache.v, pick_rows(logits, f["temperature"], f["top_k"], f["top_p"], f["seeds"], f["counts"])
 
 
 @functools.cache
@@ -377,28 +393,20 @@ class Engine:
             batch, width = _bucket(len(rows), 1, self.config.max_num_seqs, BATCH_STEP), 1
         else:
             batch, width = self.prefill_rows(len(rows)), self.config.prefill_chunk
-        tokens = np.zeros((batch, width), np.int32)
-        positions = np.zeros((batch, width), np.int32)
-        valid = np.zeros((batch, width), np.int32)
-        tables = np.zeros((batch, self.max_blocks), np.int32)
-        lengths = np.zeros(batch, np.int32)
-        last = np.zeros(batch, np.int32)
-        temperature = np.zeros(batch, np.float32)
-        top_k = np.zeros(batch, np.int32)
-        top_p = np.ones(batch, np.float32)
-        seeds = np.zeros(batch, np.int32)
-        counts = np.zeros(batch, np.int32)
+        ints = np.zeros((batch, 3 * width + self.max_blocks + len(_PER_ROW)), np.int32)
+        floats = np.zeros((batch, 2), np.float32)
+        f = _fields(ints, floats, self.max_blocks)  # views: filling them fills the two arrays
+        f["top_p"][:] = 1.0
         for i, (seq, start, n, end) in enumerate(rows):
-            tokens[i, :n] = seq.tokens[start:start + n]
-            positions[i, :n] = np.arange(start, start + n)
-            valid[i, :n] = 0 if padding else 1
-            tables[i, :len(seq.blocks)] = seq.blocks
-            lengths[i], last[i] = end, n - 1
+            f["tokens"][i, :n] = seq.tokens[start:start + n]
+            f["positions"][i, :n] = np.arange(start, start + n)
+            f["valid"][i, :n] = 0 if padding else 1
+            f["tables"][i, :len(seq.blocks)] = seq.blocks
+            f["lengths"][i], f["last"][i] = end, n - 1
             p = seq.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            seeds[i], counts[i] = seq.seed, len(seq.tokens) - seq.prompt_len
-        args = jax.device_put((tokens, positions, valid, tables, lengths, last, temperature, top_k, top_p, seeds,
-                               counts), self._replicated)
+            f["temperature"][i], f["top_k"][i], f["top_p"][i] = p.temperature, p.top_k, p.top_p
+            f["seeds"][i], f["counts"][i] = seq.seed, len(seq.tokens) - seq.prompt_len
+        args = jax.device_put((ints, floats), self._replicated)
         with jax.set_mesh(self.mesh):
             self.pool_k, self.pool_v, picked = self._forward(self.params, self.pool_k, self.pool_v, *args)
         return np.asarray(picked)[:len(rows)]
