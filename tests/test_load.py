@@ -114,3 +114,28 @@ def test_a_run_without_weights_is_one_line(tmp_path):
     (tmp_path / "config.gin").write_text("ModelConfig.d_model = 'wide'\n")
     with pytest.raises(LoadError, match=r"config.gin: .*d_model"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("cores,shape,want", [
+    (2, dict(n_heads=4, n_kv_heads=2, d_ff=128), 2),
+    (4, dict(n_heads=6, n_kv_heads=2, d_ff=128), 2),  # 4 and 3 do not divide the kv heads
+    (8, dict(n_heads=8, n_kv_heads=4, d_ff=96), 4),
+    (2, dict(n_heads=4, n_kv_heads=1, d_ff=128), 1),  # one kv head: nothing to split
+    (1, dict(n_heads=4, n_kv_heads=2, d_ff=128), 1),
+    (2, dict(n_heads=4, n_kv_heads=2, d_ff=128, linear="int8"), 1),  # packed groups stay whole
+])
+def test_auto_tensor_takes_the_cores_the_heads_divide_by(monkeypatch, cores, shape, want):
+    from maxlm.infer import placement
+
+    monkeypatch.setattr(placement, "cpu_cores", lambda: cores)
+    cfg = config.ModelConfig(vocab_size=64, d_model=48, n_layers=1, max_seq_len=16, **shape)
+    assert placement.auto_tensor(cfg) == want
+
+
+def test_tensor_none_loads_on_the_auto_mesh(run, monkeypatch):
+    from maxlm.infer import placement
+
+    run_dir, cfg, _ = run
+    monkeypatch.setattr(placement, "cpu_cores", lambda: 2)
+    loaded = load_model(run_dir, tensor=None)
+    assert cfg.model.kv_heads % 2 == 0 and loaded.mesh.shape["tensor"] == 2

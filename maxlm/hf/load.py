@@ -10,7 +10,8 @@ PATH is any of:
 - a Hugging Face directory (``config.json`` + ``*.safetensors``), e.g. one ``maxlm.hf export`` wrote.
 
 The parameters are placed on an inference mesh: ``tensor`` devices on the mesh's ``tensor`` axis
-(heads and MLP columns split across them, as in training), every other axis of degree 1. Every
+(heads and MLP columns split across them, as in training; None picks the number,
+``maxlm.infer.placement.auto_tensor``), every other axis of degree 1. Every
 problem with PATH is a one-line ``LoadError`` naming the file at fault.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 from maxlm import config as config_lib
 from maxlm import model, storage
 from maxlm.config import Config, ModelConfig
-from maxlm.infer.placement import inference_mesh, param_shardings
+from maxlm.infer.placement import auto_tensor, inference_mesh, param_shardings
 
 
 class LoadError(ValueError):
@@ -46,11 +47,14 @@ class LoadedModel:
     config_file: str = ""  # where ``cfg`` was read: RUN_DIR/config.gin or HF_DIR/config.json
 
 
-def _check_tensor(cfg: ModelConfig, mesh: jax.sharding.Mesh, source: str) -> None:
-    t = mesh.shape["tensor"]
+def _mesh(cfg: ModelConfig, tensor: int | None, source: str) -> jax.sharding.Mesh:
+    """The inference mesh for ``cfg``: ``tensor`` devices, or with None as many as ``auto_tensor``
+    picks."""
+    t = auto_tensor(cfg) if tensor is None else tensor
     for field, value in (("n_heads", cfg.n_heads), ("kv_heads", cfg.kv_heads), ("d_ff", cfg.d_ff)):
         if value % t:
             raise LoadError(f"{source}: ModelConfig.{field} = {value} does not divide by --tensor = {t}")
+    return inference_mesh(t)
 
 
 def _run_config(run_dir: Path) -> Config:
@@ -103,13 +107,13 @@ def _tokenizer(name: str, source: str) -> Any:
 
 
 def _load_run(run_dir: Path, step_dir: Path | None, step: int | None, dtype: str | None,
-              mesh: jax.sharding.Mesh) -> LoadedModel:
+              tensor: int | None) -> LoadedModel:
     from maxlm.train.checkpoint import restore_params, restore_state_params
 
     run_cfg = _run_config(run_dir)
     cfg = run_cfg.model if dtype is None else dataclasses.replace(run_cfg.model, dtype=dtype)
     cfg = dataclasses.replace(cfg, remat="none")  # nothing to recompute without a backward pass
-    _check_tensor(cfg, mesh, str(run_dir / "config.gin"))
+    mesh = _mesh(cfg, tensor, str(run_dir / "config.gin"))
     if step_dir is None:
         step_dir = _pick_step(run_dir, step)
     abstract, shardings = model.abstract_params(cfg), param_shardings(cfg, mesh)
@@ -133,13 +137,13 @@ def _load_run(run_dir: Path, step_dir: Path | None, step: int | None, dtype: str
                        mesh, source, at, run_cfg, config_file=str(run_dir / "config.gin"))
 
 
-def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> LoadedModel:
+def _load_hf(hf_dir: Path, dtype: str | None, tensor: int | None) -> LoadedModel:
     from maxlm.hf import HFImportError, config_from_hf, params_from_hf, read_hf_config
 
     try:
         hf = read_hf_config(hf_dir)
         cfg = config_from_hf(hf, dtype=dtype or "float32", source=str(hf_dir / "config.json"))
-        _check_tensor(cfg, mesh, str(hf_dir / "config.json"))
+        mesh = _mesh(cfg, tensor, str(hf_dir / "config.json"))
         params = params_from_hf(hf_dir, cfg)
     except HFImportError as err:
         raise LoadError(str(err)) from None
@@ -158,8 +162,9 @@ def _load_hf(hf_dir: Path, dtype: str | None, mesh: jax.sharding.Mesh) -> Loaded
 
 
 def load_model(path: str | Path, *, step: int | None = None, dtype: str | None = None,
-               tensor: int = 1, adapter: str | Path | None = None) -> LoadedModel:
-    """Open PATH (see the module docstring) on an inference mesh of ``tensor`` devices.
+               tensor: int | None = 1, adapter: str | Path | None = None) -> LoadedModel:
+    """Open PATH (see the module docstring) on an inference mesh of ``tensor`` devices (None: as
+    many as ``maxlm.infer.placement.auto_tensor`` picks for the model).
 
     ``dtype`` overrides the compute dtype (float32 | bfloat16 | float16); parameters keep theirs.
     ``adapter``, a PEFT LoRA directory (``maxlm.hf.peft``), is put on the model loaded."""
@@ -188,19 +193,17 @@ def _with_adapter(loaded: LoadedModel, adapter: Path) -> LoadedModel:
     return dataclasses.replace(loaded, cfg=cfg, params=params, source=f"{loaded.source} + {adapter}")
 
 
-def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: int) -> LoadedModel:
+def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: int | None) -> LoadedModel:
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise LoadError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
     path = storage.path(path)
     if not path.exists():
         raise LoadError(f"{path}: does not exist (expected a maxlm run directory, RUN_DIR/checkpoints/STEP "
                         "or a Hugging Face directory)")
-    try:
-        mesh = inference_mesh(tensor)
-    except ValueError as err:
-        raise LoadError(str(err)) from None
+    if tensor is not None and not 1 <= tensor <= len(jax.devices()):  # before reading anything
+        raise LoadError(f"--tensor = {tensor} must lie in [1, {len(jax.devices())}] (the devices jax sees)")
     if (path / "config.gin").is_file():
-        return _load_run(path, None, step, dtype, mesh)
+        return _load_run(path, None, step, dtype, tensor)
     if path.name.isdigit() and path.parent.name == "checkpoints" and (path.parent.parent / "config.gin").is_file():
         if step is not None and step != int(path.name):
             raise LoadError(f"{path}: is the checkpoint of step {path.name}, but --step {step} was asked")
@@ -209,13 +212,13 @@ def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: i
         problem = checkpoint_problem(path)
         if problem:
             raise LoadError(f"{path}: checkpoint is {problem}")
-        return _load_run(path.parent.parent, path, None, dtype, mesh)
+        return _load_run(path.parent.parent, path, None, dtype, tensor)
     if (path / "config.json").is_file():
         if step is not None:
             raise LoadError(f"{path}: --step applies to maxlm run directories, not Hugging Face directories")
         if storage.is_remote(path):  # safetensors and tokenizers read local files: the bucket cache
-            return dataclasses.replace(_load_hf(Path(storage.local_input(str(path))), dtype, mesh), source=str(path))
-        return _load_hf(path, dtype, mesh)
+            return dataclasses.replace(_load_hf(Path(storage.local_input(str(path))), dtype, tensor), source=str(path))
+        return _load_hf(path, dtype, tensor)
     raise LoadError(f"{path}: neither a maxlm run directory (config.gin), a checkpoint "
                     "(RUN_DIR/checkpoints/STEP) nor a Hugging Face directory (config.json)")
 

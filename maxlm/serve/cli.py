@@ -57,6 +57,14 @@ def _int(low: int, high: int | None = None):
     return parse
 
 
+def _tensor(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer >= 1")
+    return int(text)
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -81,7 +89,10 @@ def parser() -> argparse.ArgumentParser:
                         "`maxlm.hf export --lora peft`, or trained with Hugging Face PEFT)")
     p.add_argument("--step", type=_int(0), help="the checkpoint step of a run directory (default: the newest good one)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--tensor", type=_int(1), default=1, help="devices on the tensor axis (default: 1)")
+    p.add_argument("--tensor", type=_tensor, default="auto",
+                   help="devices on the tensor axis, or 'auto' (default): 1 on a GPU; on a CPU, one per core "
+                        "(as many as the heads divide by), which serves ~25%% more tokens/s at 32 requests "
+                        "on 2 cores and costs ~25%% per token for a single stream (then pass --tensor 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=_int(0, 65535), default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("MAXLM_API_KEY"), metavar="KEY",
@@ -149,10 +160,13 @@ def serve(args: argparse.Namespace) -> int:
     _check_listen(args.host, args.port)
     chat_template = _chat_template(args)
     from maxlm.hf.load import LoadError, load_model
+    from maxlm.infer.placement import use_cpu_cores
     from maxlm.serve.engine import Engine, EngineConfig
 
+    use_cpu_cores()  # (before jax starts) a CPU host's cores as devices: --tensor auto uses them
     try:
-        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype, tensor=args.tensor,
+        loaded = load_model(args.checkpoint, step=args.step, dtype=args.dtype,
+                            tensor=None if args.tensor == "auto" else args.tensor,
                             adapter=args.adapter)
     except LoadError as err:
         raise UserError(str(err)) from None
@@ -182,7 +196,8 @@ def serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=None))
     blocks = engine.blocks.num_blocks - 1
     print(f"maxlm.serve: serving {name!r} ({loaded.source}) on http://{args.host}:{args.port}; "
-          f"{blocks} KV blocks of {config.block_size} tokens, up to {config.max_num_seqs} requests at once"
+          f"{blocks} KV blocks of {config.block_size} tokens, up to {config.max_num_seqs} requests at once, "
+          f"tensor-parallel over {loaded.mesh.shape['tensor']} {loaded.mesh.devices.flat[0].platform.upper()} device(s)"
           f"{', API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
     # uvicorn handles SIGTERM and SIGINT while it serves (stop listening, finish open requests) and
     # raises them again once done; these no-op handlers make that a clean return (exit 0).
