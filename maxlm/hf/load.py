@@ -51,10 +51,14 @@ def _mesh(cfg: ModelConfig, tensor: int | None, source: str) -> jax.sharding.Mes
     """The inference mesh for ``cfg``: ``tensor`` devices, or with None as many as ``auto_tensor``
     picks."""
     t = auto_tensor(cfg) if tensor is None else tensor
+    try:
+        mesh = inference_mesh(t)  # checks the device count first
+    except ValueError as err:
+        raise LoadError(str(err)) from None
     for field, value in (("n_heads", cfg.n_heads), ("kv_heads", cfg.kv_heads), ("d_ff", cfg.d_ff)):
         if value % t:
             raise LoadError(f"{source}: ModelConfig.{field} = {value} does not divide by --tensor = {t}")
-    return inference_mesh(t)
+    return mesh
 
 
 def _run_config(run_dir: Path) -> Config:
@@ -200,8 +204,6 @@ def _load_model(path: str | Path, step: int | None, dtype: str | None, tensor: i
     if not path.exists():
         raise LoadError(f"{path}: does not exist (expected a maxlm run directory, RUN_DIR/checkpoints/STEP "
                         "or a Hugging Face directory)")
-    if tensor is not None and not 1 <= tensor <= len(jax.devices()):  # before reading anything
-        raise LoadError(f"--tensor = {tensor} must lie in [1, {len(jax.devices())}] (the devices jax sees)")
     if (path / "config.gin").is_file():
         return _load_run(path, None, step, dtype, tensor)
     if path.name.isdigit() and path.parent.name == "checkpoints" and (path.parent.parent / "config.gin").is_file():

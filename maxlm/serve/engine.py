@@ -156,12 +156,12 @@ class _Seq:
         return self.tokens[self.prompt_len:]
 
 
-def _bucket(n: int, low: int, cap: int, step: int = 0) -> int:
-    """The padded size of ``n``: a power of two (at least ``low``), or with ``step``, above
-    ``step`` a multiple of it (finer buckets where padding costs the most), at most ``cap``."""
+def _bucket(n: int, cap: int, step: int = 0) -> int:
+    """The padded size of ``n``: a power of two, or with ``step``, above ``step`` a multiple of it
+    (finer buckets where padding costs the most), at most ``cap``."""
     if step and n > step:
         return min(cap, -(-n // step) * step)
-    return min(cap, max(low, 1 << max(n - 1, 0).bit_length()))
+    return min(cap, 1 << max(n - 1, 0).bit_length())
 
 
 # A step's inputs travel as two arrays: two host-to-device transfers instead of eleven (on a
@@ -387,10 +387,10 @@ class Engine:
         scattered into the pool before any row gathers its blocks (in each layer), so a later
         chunk attends to an earlier one of the same call, and the positional mask keeps each
         query causal. Shapes: a decode pads its rows to a batch bucket; a prefill has rows of
-        ``prefill_chunk`` tokens, their number a power of two; tables span the whole context. ``padding``: every row is padding (the
-        warm-up's compiles), so nothing is written."""
+        ``prefill_chunk`` tokens, their number a power of two; tables span the whole context.
+        ``padding``: every row is padding (the warm-up's compiles), so nothing is written."""
         if kind == "decode":
-            batch, width = _bucket(len(rows), 1, self.config.max_num_seqs, BATCH_STEP), 1
+            batch, width = _bucket(len(rows), self.config.max_num_seqs, BATCH_STEP), 1
         else:
             batch, width = self.prefill_rows(len(rows)), self.config.prefill_chunk
         ints = np.zeros((batch, 3 * width + self.max_blocks + len(_PER_ROW)), np.int32)
@@ -596,12 +596,12 @@ class Engine:
         budget (``max_prefill_tokens / prefill_chunk``), so there are only a handful of prefill
         shapes to compile."""
         most = max(self.config.max_prefill_tokens // self.config.prefill_chunk, 1)
-        return _bucket(rows, 1, most)
+        return _bucket(rows, most)
 
     def decode_buckets(self) -> list[int]:
         """The batch sizes decode steps are padded to."""
         n = self.config.max_num_seqs
-        return sorted({_bucket(b, 1, n, BATCH_STEP) for b in range(1, n + 1)})
+        return sorted({_bucket(b, n, BATCH_STEP) for b in range(1, n + 1)})
 
     def warmup(self) -> float:
         """Compile the decode step for every batch bucket and a one-row prefill of

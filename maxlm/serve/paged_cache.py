@@ -61,7 +61,8 @@ class PagedKVCache:
         bs, width = self.block_size, self.tables.shape[1]
         block = jnp.take_along_axis(self.tables, jnp.clip(tokens.positions // bs, 0, width - 1), axis=1)
         block = jnp.where(tokens.segments > 0, block, self.k.shape[1])  # padding: out of range, dropped
-        return self, None, (block, tokens.positions % bs, tokens.positions) + flat_blocks(self.tables, self.lengths, bs)
+        flat = flat_blocks(self.tables, self.lengths, bs)  # once per call, shared by every layer
+        return self, None, (block, tokens.positions % bs, tokens.positions, *flat)
 
     @staticmethod
     def attend_layer(stacked: tuple[jax.Array, jax.Array], layer: jax.Array, q: jax.Array, k: jax.Array,
@@ -80,12 +81,14 @@ class PagedKVCache:
 
 def flat_blocks(tables: jax.Array, lengths: jax.Array, block_size: int) -> tuple[jax.Array, ...]:
     """The blocks the rows attend to, flattened row by row: (block id, owning row, position of its
-    first slot) per entry, each [B * M] (the capacity; entries past ``count`` are padding: block 0,
-    the last row, a position after every query), and ``count``, the number of real entries."""
+    first slot) per entry, and ``count``, the number of real entries. The entries fill whole chunks
+    of ``paged_attention`` (the capacity is B * M rounded up to a chunk); those past ``count`` are
+    padding: block 0, the last row (so the owners stay sorted), a position after every query."""
     rows, width = tables.shape
+    chunk = chunk_entries(rows)
     held = jnp.clip(-(-lengths // block_size), 0, width)
     ends = jnp.cumsum(held)
-    entry = jnp.arange(rows * width, dtype=jnp.int32)
+    entry = jnp.arange(-(-rows * width // chunk) * chunk, dtype=jnp.int32)
     owner = jnp.minimum(jnp.searchsorted(ends, entry, side="right"), rows - 1).astype(jnp.int32)
     index = entry - (ends - held)[owner]  # the entry's place in its row's table
     real = entry < ends[-1]
@@ -117,10 +120,7 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, layer: j
     qg = fold_heads(q, k_heads)  # [B, K, T*G, H]
     g = q.shape[2] // k_heads
     q_pos = jnp.repeat(positions, g, axis=1)  # [B, T*G], the folded rows' positions
-    chunk = chunk_entries(rows)
-    pad = -blocks.shape[0] % chunk
-    blocks, key_start = jnp.pad(blocks, (0, pad)), jnp.pad(key_start, (0, pad), constant_values=FAR)
-    owner = jnp.pad(owner, (0, pad), constant_values=rows - 1)  # still sorted
+    chunk = chunk_entries(rows)  # the flattened list holds whole chunks (``flat_blocks``)
     scale = jnp.float32(1.0 / math.sqrt(q.shape[-1]))
     segment = dict(num_segments=rows, indices_are_sorted=True)
     batch = ((0, 1), (0, 1))
