@@ -18,6 +18,20 @@ os.environ["XLA_FLAGS"] = " ".join(
 if not ON_GPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the whole run, shared by the xdist workers and every
+# subprocess they start (they inherit the environment): a resumed run, a killed-and-restarted one,
+# its uninterrupted reference and the next test's tiny model compile the same programs, and on 2
+# cores compiling is a large part of the suite. The directory is this run's own and is removed at
+# the end, so no run is faster or different because of an earlier one; set JAX_COMPILATION_CACHE_DIR
+# yourself to keep one between runs.
+_OWN_CACHE = None
+if not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = tempfile.mkdtemp(prefix="maxlm-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 
 
@@ -26,6 +40,13 @@ def pytest_configure(config):
         assert jax.default_backend() == "gpu", "MAXLM_TEST_ON_GPU=1 but jax sees no GPU"
         return
     assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:  # only the process that made it (the xdist controller, or a plain pytest run)
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
