@@ -3,8 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream by server-sent events
 with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-The engine runs on its own thread; each request's outputs cross to the event loop through an
-``asyncio.Queue`` (``call_soon_threadsafe``). A request that fails validation, names another model
+The engine runs on its own thread; its outputs cross to the event loop through a ``_Mailbox``, one
+wake-up of the loop for all the outputs posted since the last (about one per engine step, not one
+per sequence and token), into one ``asyncio.Queue`` per HTTP request. A request that fails validation, names another model
 or asks for more than the context holds gets a 4xx with an OpenAI error body naming the field; a
 full queue gets 429; a request after shutdown began gets 503. A client that goes away mid-request
 has its request aborted, so its KV blocks are freed at the engine's next step. With an API key,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,17 +49,40 @@ def chat_renderer(template: str):
     return render
 
 
-class _Request:
-    """One prompt in flight: the engine's outputs, queued for the event loop, and what they add up to."""
+class _Mailbox:
+    """Hands the engine thread's outputs to the event loop. At 32 streams a step makes 32 outputs;
+    one ``call_soon_threadsafe`` each woke the loop 32 times per step, so the loop, not the engine,
+    set the pace. Posts wait in a list, and only the first post after a flush schedules one."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+        self.loop, self.lock, self.pending = loop, threading.Lock(), []
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:  # on the engine thread
+        with self.lock:
+            self.pending.append((queue, item))
+            if len(self.pending) > 1:  # a flush is scheduled already
+                return
+        self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:  # on the event loop
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+class _Request:
+    """One prompt in flight: posts the engine's outputs to its HTTP request's queue as (index,
+    output), and adds them up."""
+
+    def __init__(self, index: int, queue: asyncio.Queue, mailbox: _Mailbox):
+        self.index, self.queue, self.mailbox = index, queue, mailbox
         self.id: str | None = None
         self.text, self.tokens, self.prompt, self.cached = "", 0, 0, 0
         self.finish: str | None = None
 
     def __call__(self, output: Output) -> None:  # on the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        self.mailbox.post(self.queue, (self.index, output))
 
     @property
     def done(self) -> bool:
@@ -108,6 +133,7 @@ class _Server:
 
     def __init__(self, engine: Engine, model_name: str, chat_template: str | None):
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.mailbox: _Mailbox | None = None  # made on the first request, for the running loop
         self.render = None if self.tokenizer is None else chat_renderer(
             chat_template or DEFAULT_CHAT_TEMPLATE.read_text())
 
@@ -143,11 +169,13 @@ class _Server:
         """Queue every prompt, or none: an engine refusal aborts those already queued."""
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens = {max_tokens} must be >= 1", "max_tokens")
-        engine, loop, handles = self.engine, asyncio.get_running_loop(), []
+        engine, loop, handles, queue = self.engine, asyncio.get_running_loop(), [], asyncio.Queue()
+        if self.mailbox is None or self.mailbox.loop is not loop:
+            self.mailbox = _Mailbox(loop)
         try:
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 limit = max_tokens if max_tokens is not None else engine.cfg.max_seq_len - len(prompt)
-                handle = _Request(loop)
+                handle = _Request(i, queue, self.mailbox)
                 handle.id = engine.submit(prompt, req.params(limit), handle, request_id=uuid.uuid4().hex)
                 handles.append(handle)
         except (RequestError, QueueFull, Draining) as err:
@@ -164,16 +192,26 @@ class _Server:
             if not h.done:
                 self.engine.abort(h.id)
 
+    @staticmethod
+    async def arrivals(handles: list[_Request], timeout: float | None = None) -> list[tuple[int, Output]]:
+        """Every (index, output) that has arrived for these prompts, waiting for the first: a
+        reader that fell behind takes them all at once."""
+        queue = handles[0].queue
+        items = [await (queue.get() if timeout is None else asyncio.wait_for(queue.get(), timeout))]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        return items
+
     async def collect(self, request: Request, handles: list[_Request]) -> list[_Request]:
         """Wait for every prompt's last output; abort all when the client goes away."""
         try:
-            for handle in handles:
-                while not handle.done:
-                    try:
-                        handle.take(await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S))
-                    except TimeoutError:
-                        if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
-                            raise APIError(499, "the client closed the connection") from None
+            while not all(h.done for h in handles):
+                try:
+                    for i, out in await self.arrivals(handles, DISCONNECT_POLL_S):
+                        handles[i].take(out)
+                except TimeoutError:
+                    if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
+                        raise APIError(499, "the client closed the connection") from None
         finally:
             self.abort(handles)
         if any(h.finish == "error" for h in handles):
@@ -182,34 +220,26 @@ class _Server:
 
     async def stream(self, handles: list[_Request], chunks, base: dict, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: a chunk per engine step of any prompt, then usage (if asked) and
-        [DONE]. Cancelled when the client disconnects; the ``finally`` aborts what still runs."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, handle):
-            while True:
-                out = await handle.queue.get()
-                await merged.put((i, out))
-                if out.finish_reason is not None:
-                    return
-        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        [DONE]; the chunks that arrived together leave in one write. Cancelled when the client
+        disconnects; the ``finally`` aborts what still runs."""
         try:
             for head in chunks(base, None, "", None):
                 yield sse(head)
             while not all(h.done for h in handles):
-                i, out = await merged.get()
-                handles[i].take(out)
-                if out.finish_reason == "error":
-                    yield sse(APIError(500, "the engine failed while running this request").body())
-                    return
-                if out.token_ids or out.text or out.finish_reason is not None:  # a chunk per step
-                    for piece in chunks(base, i, out.text, out.finish_reason):
-                        yield sse(piece)
+                events = []
+                for i, out in await self.arrivals(handles):
+                    handles[i].take(out)
+                    if out.finish_reason == "error":
+                        yield "".join(events) + sse(APIError(500, "the engine failed while running this request").body())
+                        return
+                    if out.token_ids or out.text or out.finish_reason is not None:  # a chunk per step
+                        events += [sse(piece) for piece in chunks(base, i, out.text, out.finish_reason)]
+                if events:
+                    yield "".join(events)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(handles)})
             yield "data: [DONE]\n\n"
         finally:
-            for p in pumps:
-                p.cancel()
             self.abort(handles)
 
 
