@@ -11,13 +11,9 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
-    # The kernel inherits this process's environment: the quickstart keeps the 8 fake CPU devices
-    # (it shows a parameter sharded over a mesh); the others run on one device, as on a Colab
-    # runtime, where training these small models is about 1.5x faster than over 8 fake devices.
-    if path.name != "quickstart.ipynb":
-        monkeypatch.setenv("XLA_FLAGS", "")
+    # The kernel inherits this process's environment, 8 fake CPU devices included.
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
