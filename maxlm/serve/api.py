@@ -5,8 +5,8 @@ with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` 
 
 The engine runs on its own thread; its outputs cross to the event loop through a ``_Mailbox``, one
 wake-up of the loop for all the outputs posted since the last (about one per engine step, not one
-per sequence and token), into one ``asyncio.Queue`` per HTTP request. A request that fails validation, names another model
-or asks for more than the context holds gets a 4xx with an OpenAI error body naming the field; a
+per sequence and token), into one ``asyncio.Queue`` per HTTP request. A request that fails
+validation, names another model or asks for more than the context holds gets a 4xx with an OpenAI error body naming the field; a
 full queue gets 429; a request after shutdown began gets 503. A client that goes away mid-request
 has its request aborted, so its KV blocks are freed at the engine's next step. With an API key,
 every ``/v1`` request must carry ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
@@ -193,10 +193,9 @@ class _Server:
                 self.engine.abort(h.id)
 
     @staticmethod
-    async def arrivals(handles: list[_Request], timeout: float | None = None) -> list[tuple[int, Output]]:
-        """Every (index, output) that has arrived for these prompts, waiting for the first: a
-        reader that fell behind takes them all at once."""
-        queue = handles[0].queue
+    async def arrivals(queue: asyncio.Queue, timeout: float | None = None) -> list[tuple[int, Output]]:
+        """Every (index, output) that has arrived in an HTTP request's queue, waiting for the
+        first: a reader that fell behind takes them all at once."""
         items = [await (queue.get() if timeout is None else asyncio.wait_for(queue.get(), timeout))]
         while not queue.empty():
             items.append(queue.get_nowait())
@@ -207,7 +206,7 @@ class _Server:
         try:
             while not all(h.done for h in handles):
                 try:
-                    for i, out in await self.arrivals(handles, DISCONNECT_POLL_S):
+                    for i, out in await self.arrivals(handles[0].queue, DISCONNECT_POLL_S):
                         handles[i].take(out)
                 except TimeoutError:
                     if await request.is_disconnected():  # nobody reads the answer (nginx's 499)
@@ -227,7 +226,7 @@ class _Server:
                 yield sse(head)
             while not all(h.done for h in handles):
                 events = []
-                for i, out in await self.arrivals(handles):
+                for i, out in await self.arrivals(handles[0].queue):
                     handles[i].take(out)
                     if out.finish_reason == "error":
                         yield "".join(events) + sse(APIError(500, "the engine failed while running this request").body())
